@@ -1,0 +1,21 @@
+"""Errors llmlower raises for bad input: each names the file, field, op or parameter at fault."""
+
+
+class LlmlowerError(Exception):
+    """Base class: the CLI prints these as one line, without a traceback."""
+
+
+class CheckpointError(LlmlowerError):
+    """A checkpoint directory or GGUF file is missing, malformed or unsupported."""
+
+
+class CaptureError(LlmlowerError):
+    """torch.export could not capture the model."""
+
+
+class PassError(LlmlowerError):
+    """A pass could not rewrite the program, or its verification failed."""
+
+
+class GenerationError(LlmlowerError):
+    """A generation request cannot be served (e.g. the prompt is longer than the context)."""

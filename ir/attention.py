@@ -1,0 +1,84 @@
+"""`attention`: causal attention of a step's new tokens over a KV cache that stores only the kv heads.
+
+Layout (the one ONNX Runtime's GroupQueryAttention and SDPA use): q is [batch, heads, tokens, head_dim];
+k and v are this step's keys and values, [batch, kv_heads, tokens, head_dim], not repeated per query head;
+k_cache and v_cache are [batch, kv_heads, context, head_dim]. Sequence b already holds past_lens[b]
+tokens in the cache and brings input_lens[b] new ones, right-padded to `tokens`; new token t sits at
+position past_lens[b] + t. The op writes the valid new k/v into the cache at those positions and returns
+(out [batch, heads, tokens, head_dim], updated k_cache, updated v_cache). Query t attends to cache
+positions j <= past_lens[b] + t (and j > that - window when window > 0). Outputs at padded query
+positions are unspecified. Prefill (past_lens = 0) and decode (tokens = 1) are the same op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import NAMESPACE, Cost, OpDef, register_op
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    past_lens: torch.Tensor,
+    input_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, heads, tokens, head_dim = q.shape
+    kv_heads, context = k_cache.shape[1], k_cache.shape[2]
+    steps = torch.arange(tokens, device=q.device)
+    positions = past_lens[:, None] + steps[None, :]  # [batch, tokens]
+    valid = steps[None, :] < input_lens[:, None]
+    totals = past_lens + input_lens
+    if int(totals.max()) > context:
+        raise ValueError(f"attention: {int(totals.max())} tokens do not fit a KV cache of {context} positions")
+
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    rows, cols = valid.nonzero(as_tuple=True)
+    slots = positions[rows, cols]
+    k_cache[rows, :, slots] = k[rows, :, cols].to(k_cache.dtype)
+    v_cache[rows, :, slots] = v[rows, :, cols].to(v_cache.dtype)
+
+    used = int(totals.max())
+    keys = torch.arange(used, device=q.device)
+    allowed = (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < totals[:, None, None])
+    if window > 0:
+        allowed &= keys[None, None, :] > positions[:, :, None] - window
+
+    group = heads // kv_heads
+    q_grouped = q.reshape(batch, kv_heads, group, tokens, head_dim).float()
+    scores = torch.einsum("bhgtd,bhsd->bhgts", q_grouped, k_cache[:, :, :used].float()) * scale
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padded query with no key gets zeros
+    out = torch.einsum("bhgts,bhsd->bhgtd", probs, v_cache[:, :, :used].float())
+    return out.reshape(batch, heads, tokens, head_dim).to(q.dtype), k_cache, v_cache
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window=0):
+    return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
+
+
+def attention_cost(
+    batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, context: int, element_bytes: int
+) -> Cost:
+    """QK^T and PV over `context` keys per query; reads the kv-heads cache once, writes the new k/v."""
+    flops = 4 * batch * heads * tokens * context * head_dim
+    activations = 2 * batch * tokens * heads * head_dim + 2 * batch * tokens * kv_heads * head_dim
+    cache_reads = 2 * batch * kv_heads * context * head_dim
+    return Cost(flops=flops, bytes=element_bytes * (activations + cache_reads))
+
+
+ATTENTION = register_op(
+    OpDef(
+        name="attention",
+        op=torch.ops.llmlower.attention,
+        summary="causal attention over a kv-heads-only KV cache, appending this step's k/v",
+        cost=attention_cost,
+    )
+)

@@ -1,0 +1,181 @@
+"""Program: a flat torch.fx GraphModule captured by torch.export, with its ModelSpec and signature.
+
+Inputs and outputs are named; dimension names ("batch", "tokens", "context") say which sizes are dynamic.
+Passes rewrite `graph_module` in place and record themselves in `history`; `reexport()` runs torch.export
+again so that every node carries fresh shape metadata and the graph is known to still export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..spec import ModelSpec
+
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+PAST_LENS = "past_lens"
+INPUT_LENS = "input_lens"
+LOGITS = "logits"
+
+DIM_NAMES = ("batch", "tokens", "context")
+_MAX_BATCH = 4096
+
+# Checks torch.export leaves in the graph; they guard the capture, not the computation.
+ASSERT_TARGETS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+def cache_names(layer: int) -> tuple[str, str]:
+    """Names of a layer's key and value cache tensors (inputs, and the updated outputs)."""
+    return f"k_cache_{layer}", f"v_cache_{layer}"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named graph input or output; `shape` holds dimension names for dynamic sizes, ints for fixed."""
+
+    name: str
+    dtype: str
+    shape: tuple[str | int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass did: its options, graph statistics before and after, and its verification error."""
+
+    name: str
+    options: dict[str, Any]
+    stats: dict[str, Any]
+    seconds: float
+    max_error: float | None = None
+
+
+@dataclass
+class Program:
+    graph_module: torch.fx.GraphModule
+    spec: ModelSpec
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    history: list[PassRecord] = field(default_factory=list)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    @property
+    def has_kv_cache(self) -> bool:
+        return PAST_LENS in self.input_names
+
+    @torch.no_grad()
+    def __call__(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Run the graph eagerly on named inputs; returns the named outputs."""
+        missing = [n for n in self.input_names if n not in tensors]
+        if missing:
+            raise TypeError(f"program inputs missing: {', '.join(missing)}")
+        results = self.graph_module(*(tensors[n] for n in self.input_names))
+        return dict(zip(self.output_names, results, strict=True))
+
+    def with_signature(self, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> Program:
+        return replace(self, inputs=inputs, outputs=outputs)
+
+    def export(self) -> torch.export.ExportedProgram:
+        """torch.export of the current graph, dynamic in every named dimension."""
+        dims = {
+            "batch": torch.export.Dim("batch", min=1, max=_MAX_BATCH),
+            "tokens": torch.export.Dim("tokens", min=1, max=self.spec.max_positions),
+            "context": torch.export.Dim("context", min=1, max=self.spec.max_positions),
+        }
+        example = example_inputs(self, batch=2, tokens=5, context=7)
+        args = tuple(example[t.name] for t in self.inputs)
+        dynamic = tuple({axis: dims[d] for axis, d in enumerate(t.shape) if isinstance(d, str)} for t in self.inputs)
+        with torch.no_grad():
+            return torch.export.export(self.graph_module, args, dynamic_shapes=dynamic, strict=False)
+
+    def reexport(self) -> Program:
+        """A copy whose graph comes from a fresh torch.export (fresh node metadata)."""
+        return replace(self, graph_module=flat_graph_module(self.export(), strip_asserts=True))
+
+    def parameters_numel(self) -> int:
+        return sum(t.numel() for t in _constants(self.graph_module))
+
+    def parameters_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in _constants(self.graph_module))
+
+    def graph_stats(self) -> dict[str, int]:
+        nodes = list(self.graph_module.graph.nodes)
+        return {
+            "nodes": sum(n.op == "call_function" for n in nodes),
+            "parameters": self.parameters_numel(),
+            "parameter_bytes": self.parameters_bytes(),
+        }
+
+
+def _constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """The distinct tensors the graph reads through get_attr (weights and folded constants)."""
+    seen: dict[int, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = fetch_attr(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                seen[id(value)] = value
+    return list(seen.values())
+
+
+def fetch_attr(gm: torch.nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def flat_graph_module(ep: torch.export.ExportedProgram, strip_asserts: bool = False) -> torch.fx.GraphModule:
+    """The exported graph as a GraphModule with positional inputs and a flat tuple of outputs; with
+    `strip_asserts`, without the checks export adds (canonicalize removed them once already)."""
+    gm = ep.module()
+    for node in list(gm.graph.nodes):
+        guard = node.op == "call_module" and node.target == "_guards_fn"
+        if guard or (strip_asserts and node.op == "call_function" and node.target in ASSERT_TARGETS):
+            gm.graph.erase_node(node)
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm._forward_pre_hooks.clear()  # export's input-spec check, which the flat signature no longer matches
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return gm
+
+
+def example_inputs(
+    program: Program, batch: int, tokens: int, context: int, past_max: int = 0, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random inputs for every input of `program`: right-padded sequences, each with a random past length
+    in [0, past_max] and a random count of new tokens in [1, tokens]; caches filled with noise."""
+    gen = torch.Generator().manual_seed(seed)
+    past = torch.randint(0, past_max + 1, (batch,), generator=gen)
+    lens = torch.randint(1, tokens + 1, (batch,), generator=gen)
+    lens[0] = tokens  # at least one sequence uses every token position
+    values: dict[str, torch.Tensor] = {
+        INPUT_IDS: torch.randint(0, program.spec.vocab_size, (batch, tokens), generator=gen),
+        POSITION_IDS: past[:, None] + torch.arange(tokens)[None, :],
+        PAST_LENS: past,
+        INPUT_LENS: lens,
+    }
+    sizes = {"batch": batch, "tokens": tokens, "context": context}
+    for t in program.inputs:
+        if t.name not in values:  # a cache or any other float input: noise of its declared shape
+            shape = tuple(sizes[d] if isinstance(d, str) else d for d in t.shape)
+            values[t.name] = torch.randn(shape, generator=gen).to(getattr(torch, t.dtype))
+    return {t.name: values[t.name] for t in program.inputs}
