@@ -1,0 +1,151 @@
+"""kv_cache: every scaled_dot_product_attention becomes `attention` over a cache of the kv heads only.
+
+The pass works at the attention node, whatever computed q, k and v: it follows k and v back through the
+model's repeat-kv spelling (unsqueeze + expand + reshape, repeat_interleave, or SDPA's enable_gqa) to the
+tensors with kv_heads heads, and feeds those to the cache. Masks become dead (the op is causal over the
+cache) and are removed. The program gains inputs past_lens, input_lens and one k/v cache pair per layer,
+and returns the updated caches after the logits: prefill and decode are this one graph.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..errors import PassError
+from ..ir.attention import ATTENTION
+from ..ir.program import INPUT_LENS, PAST_LENS, Program, TensorSpec, cache_names
+from .graph_utils import finish, tensor_meta
+from .registry import Pass, register_pass
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+_RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+_REPEAT_INTERLEAVE = {aten.repeat_interleave.self_int}
+
+
+def _heads(node: torch.fx.Node) -> int:
+    value = tensor_meta(node)
+    if value is None or value.dim() != 4:
+        raise PassError(f"kv_cache: node {node.name} has no 4-d shape metadata (re-export the program first)")
+    return int(value.shape[1])
+
+
+def _kv_source(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor a repeat-kv produced `node` from, or `node` itself when it is not a repeat."""
+    if node.op != "call_function":
+        return node
+    if node.target in _REPEAT_INTERLEAVE and node.args[2:3] == (1,):
+        return node.args[0]
+    if node.target in _RESHAPES:
+        expand = node.args[0]
+        if expand.op == "call_function" and expand.target is aten.expand.default:
+            unsqueeze = expand.args[0]
+            if (
+                unsqueeze.op == "call_function"
+                and unsqueeze.target is aten.unsqueeze.default
+                and unsqueeze.args[1] == 2
+            ):
+                return unsqueeze.args[0]
+    return node
+
+
+def _sdpa_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    args = dict(zip(names, node.args, strict=False))
+    args.update(node.kwargs)
+    return args
+
+
+def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
+    if program.has_kv_cache:
+        raise PassError("kv_cache: the program already has a KV cache")
+    spec = program.spec
+    gm = program.graph_module
+    graph = gm.graph
+    sites = [n for n in graph.nodes if n.op == "call_function" and n.target is SDPA]
+    if not sites:
+        raise PassError("kv_cache: the graph has no scaled_dot_product_attention (load the model with SDPA)")
+    if len(sites) != spec.num_layers:
+        raise PassError(f"kv_cache: found {len(sites)} attention nodes, the config says {spec.num_layers} layers")
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]):
+        past_lens = graph.placeholder(PAST_LENS)
+    with graph.inserting_after(past_lens):
+        input_lens = graph.placeholder(INPUT_LENS)
+    last = input_lens
+    new_inputs = [TensorSpec(PAST_LENS, "int64", ("batch",)), TensorSpec(INPUT_LENS, "int64", ("batch",))]
+    new_outputs: list[torch.fx.Node] = []
+    output_specs: list[TensorSpec] = []
+
+    for layer, site in enumerate(sites):
+        args = _sdpa_arguments(site)
+        if args.get("dropout_p", 0.0):
+            raise PassError(f"kv_cache: {site.name} applies dropout {args['dropout_p']}; capture in eval mode")
+        query, key, value = args["query"], args["key"], args["value"]
+        heads = _heads(query)
+        key, value = _kv_source(key), _kv_source(value)
+        kv_heads = _heads(key)
+        if kv_heads != spec.num_kv_heads or _heads(value) != kv_heads or heads % kv_heads:
+            raise PassError(
+                f"kv_cache: {site.name} (layer {layer}) reads keys with {kv_heads} heads; expected the "
+                f"{spec.num_kv_heads} kv heads of the config (the repeat-kv spelling was not recognised)"
+            )
+        head_dim = int(tensor_meta(query).shape[-1])
+        scale = args.get("scale") or 1.0 / math.sqrt(head_dim)
+
+        for name in cache_names(layer):
+            with graph.inserting_after(last):
+                last = graph.placeholder(name)
+            new_inputs.append(TensorSpec(name, spec.dtype, ("batch", kv_heads, "context", head_dim)))
+        k_cache, v_cache = last.prev, last
+        with graph.inserting_before(site):
+            call = graph.call_function(
+                ATTENTION.overload,
+                (
+                    query,
+                    key,
+                    value,
+                    k_cache,
+                    v_cache,
+                    past_lens,
+                    input_lens,
+                    float(scale),
+                    spec.window_for_layer(layer),
+                ),
+            )
+            results = [graph.call_function(operator.getitem, (call, i)) for i in range(3)]
+        site.replace_all_uses_with(results[0])
+        graph.erase_node(site)
+        new_outputs += results[1:]
+        output_specs += [
+            TensorSpec(n, spec.dtype, ("batch", kv_heads, "context", head_dim)) for n in cache_names(layer)
+        ]
+
+    output = graph.output_node()
+    output.args = (tuple(output.args[0]) + tuple(new_outputs),)
+    finish(gm)
+    rewritten = program.with_signature(program.inputs + new_inputs, program.outputs + output_specs)
+    return rewritten.reexport(), {"matches": len(sites), "kv_heads": spec.num_kv_heads, "heads": heads}
+
+
+register_pass(
+    Pass(
+        name="kv_cache",
+        summary="SDPA -> `attention` over a kv-heads-only cache; prefill and decode in one graph",
+        explain=(
+            "Matches every aten.scaled_dot_product_attention. Follows its key and value back through "
+            "repeat-kv (unsqueeze(2) + expand + reshape, or repeat_interleave on dim 1) to the tensors with "
+            "the config's kv_heads, and replaces the node with llmlower::attention reading and appending a "
+            "cache [batch, kv_heads, context, head_dim] per layer. Adds inputs past_lens and input_lens "
+            "[batch] (right-padded new tokens) and the caches, returns the updated caches. The attention "
+            "mask construction becomes dead and is removed. Sliding windows come from the config."
+        ),
+        run=kv_cache,
+    )
+)

@@ -1,0 +1,95 @@
+"""The pass manager: runs a named pipeline, records per-pass stats, dumps graphs, verifies each pass."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import PassError
+from ..ir.program import INPUT_LENS, LOGITS, PassRecord, Program, example_inputs
+from ..progress import stage
+from .registry import PASSES
+
+PassSpec = str | tuple[str, dict[str, Any]]
+
+VERIFY_BATCH, VERIFY_TOKENS, VERIFY_CONTEXT = 3, 6, 16
+
+
+def run_pipeline(
+    program: Program,
+    pipeline: Sequence[PassSpec],
+    *,
+    verify: bool = False,
+    dump_dir: str | Path | None = None,
+) -> Program:
+    """Apply the passes in order. With `verify`, each pass's output program is run against its input
+    program on the same random inputs and must agree within the pass's tolerance. With `dump_dir`,
+    the graph's code is written there before the first pass and after each pass."""
+    steps = [(p, {}) if isinstance(p, str) else p for p in pipeline]
+    for name, _ in steps:
+        if name not in PASSES:
+            raise PassError(f"unknown pass {name!r} (registered: {', '.join(PASSES)})")
+    dump = Path(dump_dir) if dump_dir is not None else None
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "00-captured.py").write_text(program.graph_module.code, encoding="utf-8")
+    for index, (name, options) in enumerate(steps, start=1):
+        program = _run_one(program, name, options, verify)
+        if dump is not None:
+            (dump / f"{index:02d}-{name}.py").write_text(program.graph_module.code, encoding="utf-8")
+    return program
+
+
+def _run_one(program: Program, name: str, options: dict[str, Any], verify: bool) -> Program:
+    p = PASSES[name]
+    before = program.graph_stats()
+    history = list(program.history)
+    # A past in the cache only when the program before the pass already has a cache.
+    past_max = VERIFY_CONTEXT - VERIFY_TOKENS if program.has_kv_cache else 0
+    if verify:
+        reference = program(**_verify_inputs(program, past_max))
+    with stage(f"pass {name}") as shown:
+        started = time.perf_counter()
+        program, pass_stats = p.run(program, **options)
+        seconds = time.perf_counter() - started
+        after = program.graph_stats()
+        max_error = None
+        if verify:
+            inputs = _verify_inputs(program, past_max)
+            max_error = _compare(reference, program(**inputs), inputs.get(INPUT_LENS), p.tolerance, name)
+        stats = {**pass_stats, **{f"{k}_before": v for k, v in before.items()}, **after}
+        shown.detail = ", ".join(f"{k}={v}" for k, v in pass_stats.items()) + (
+            f", verified (max error {max_error:.2e})" if verify else ""
+        )
+    program.history = [*history, PassRecord(name, dict(options), stats, seconds, max_error)]
+    return program
+
+
+def _verify_inputs(program: Program, past_max: int) -> dict[str, torch.Tensor]:
+    return example_inputs(program, VERIFY_BATCH, VERIFY_TOKENS, VERIFY_CONTEXT, past_max=past_max, seed=1234)
+
+
+def _compare(
+    reference: dict[str, torch.Tensor],
+    result: dict[str, torch.Tensor],
+    input_lens: torch.Tensor | None,
+    tolerance: float,
+    name: str,
+) -> float:
+    """Largest error over the outputs both programs have, relative to the reference's magnitude; logits
+    only at real (non-padding) positions."""
+    worst = 0.0
+    for key in reference.keys() & result.keys():
+        expected, actual = reference[key].float(), result[key].float()
+        if key == LOGITS and input_lens is not None:
+            valid = torch.arange(expected.shape[1])[None, :] < input_lens[:, None]
+            expected, actual = expected[valid], actual[valid]
+        error = float((expected - actual).abs().max()) / max(1.0, float(expected.abs().max()))
+        worst = max(worst, error)
+    if worst > tolerance:
+        raise PassError(f"pass {name} changed the program's outputs: relative error {worst:.3e} > {tolerance:.0e}")
+    return worst

@@ -1,0 +1,34 @@
+"""The pass registry: every pass is one module that registers a Pass under its name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..ir.program import Program
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A named Program -> Program rewrite.
+
+    `run(program, **options)` returns the rewritten program and a dict of pass-specific stats (e.g. the
+    number of pattern matches). `tolerance` bounds verification's relative error for this pass.
+    """
+
+    name: str
+    summary: str
+    explain: str
+    run: Callable[..., tuple[Program, dict[str, Any]]]
+    tolerance: float = 1e-5
+
+
+PASSES: dict[str, Pass] = {}
+
+
+def register_pass(p: Pass) -> Pass:
+    if p.name in PASSES:
+        raise ValueError(f"pass {p.name!r} is already registered")
+    PASSES[p.name] = p
+    return p
