@@ -1,0 +1,96 @@
+"""Tokenizer for the runtime: a fast tokenizer (tokenizers) plus the checkpoint's chat template (jinja2).
+
+The template is rendered the way transformers renders it (sandboxed jinja2, trim_blocks, lstrip_blocks,
+loop controls, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text), so prompts match.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+from ..errors import GenerationError
+
+Message = dict[str, Any]
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class Tokenizer:
+    """Encode, decode and chat-format text for one model."""
+
+    def __init__(self, tokenizer_json: str, config: dict[str, Any], chat_template: str | None) -> None:
+        self._tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json)
+        self.config = config
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> Tokenizer:
+        """Read tokenizer.json, tokenizer_config.json and (if present) chat_template.jinja."""
+        directory = Path(directory)
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        template = config.pop("chat_template", None)
+        template_path = directory / "chat_template.jinja"
+        if template_path.is_file():
+            template = template_path.read_text(encoding="utf-8")
+        return cls((directory / "tokenizer.json").read_text(encoding="utf-8"), config, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, ... as strings (tokenizer_config.json may store them as objects)."""
+        found = {}
+        for key, value in self.config.items():
+            if key.endswith("_token") and value is not None:
+                found[key] = value.get("content") if isinstance(value, dict) else str(value)
+        return found
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, **extra: Any) -> str:
+        """The prompt text for a conversation, from the model's own chat template."""
+        if not self.chat_template:
+            raise GenerationError("the model has no chat template: pass a raw prompt (--raw) instead")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message:
+                raise GenerationError(f"messages[{index}]: expected an object with 'role' and 'content'")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens(),
+                **extra,
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise GenerationError(f"chat template: {exc}") from None
