@@ -1,0 +1,156 @@
+"""The `llmlower` command: generate, inspect, passes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from . import progress
+from .errors import LlmlowerError
+
+MODEL_HELP = "a checkpoint directory, a .gguf file, or 'example' (SmolLM2-135M-Instruct)"
+
+
+class RichReporter:
+    """Shows each stage as a spinner while it runs and a line with its time when it is done (stderr)."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self._status = None
+
+    def start(self, description: str) -> None:
+        if self._status is None and self.console.is_terminal:
+            self._status = self.console.status(description)
+            self._status.start()
+
+    def finish(self, description: str, seconds: float, detail: str) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+        suffix = f" [dim]{detail}[/dim]" if detail else ""
+        self.console.print(f"[green]✓[/green] {description} ({seconds:.1f}s){suffix}", highlight=False)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .api import load_engine
+
+    engine = load_engine(args.model, dtype=args.dtype, max_batch=1, max_context=args.max_context)
+    result = engine.generate([args.prompt], max_tokens=args.max_tokens, chat=not args.raw)[0]
+    if args.json:
+        payload: dict[str, Any] = {
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "prompt_token_ids": result.prompt_token_ids,
+            "finish_reason": result.finish_reason,
+            "timing": {
+                "ttft_s": result.timing.ttft_s,
+                "decode_tokens_per_s": result.timing.decode_tokens_per_s,
+            },
+        }
+        print(json.dumps(payload, ensure_ascii=False))
+    else:
+        print(result.text)
+        err = Console(stderr=True)
+        err.print(
+            f"[dim]{len(result.token_ids)} tokens, finish_reason={result.finish_reason}, "
+            f"TTFT {result.timing.ttft_s * 1000:.0f} ms, decode {result.timing.decode_tokens_per_s:.1f} tokens/s[/dim]"
+        )
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .frontend import load, resolve_model
+
+    loaded = load(resolve_model(args.model), dtype=args.dtype)
+    spec = loaded.spec
+    report = {
+        "source": str(loaded.source),
+        "spec": {k: v for k, v in spec.to_dict().items() if k != "chat_template"},
+        "has_chat_template": spec.chat_template is not None,
+        "parameters": loaded.num_parameters,
+        "kv_cache": {
+            "bytes_per_token": spec.kv_bytes_per_token(),
+            "formula": f"2 x {spec.num_layers} layers x {spec.num_kv_heads} kv_heads x {spec.head_dim} head_dim "
+            f"x {spec.dtype_bytes} bytes ({spec.dtype})",
+            "context": args.context,
+            "batch": args.batch,
+            "bytes": spec.kv_cache_bytes(args.context, args.batch),
+        },
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    console = Console()
+    console.print(f"[bold]{spec.architecture}[/bold] from {loaded.source}")
+    for key, value in report["spec"].items():
+        console.print(f"  {key:<20} {value}", highlight=False)
+    console.print(f"  {'parameters':<20} {loaded.num_parameters:,}")
+    kv = report["kv_cache"]
+    console.print(f"KV cache: {kv['bytes_per_token']:,} bytes per token = {kv['formula']}")
+    total = f"{kv['bytes']:,} bytes ({kv['bytes'] / 2**20:.1f} MiB)"
+    console.print(f"          {total} for context {args.context} x batch {args.batch}")
+    return 0
+
+
+def _passes(args: argparse.Namespace) -> int:
+    from .passes import DEFAULT_PIPELINE, PASSES
+
+    for name, p in PASSES.items():
+        default = " (default)" if name in DEFAULT_PIPELINE else ""
+        print(f"{name:<14} {p.summary}{default}")
+        if args.explain:
+            print(f"{'':<14} {p.explain}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmlower", description="Compile and run Transformer LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion (greedy) for one prompt")
+    gen.add_argument("model", help=MODEL_HELP)
+    gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens (default 128)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and timing")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    gen.add_argument("--max-context", type=int, default=2048, help="KV-cache length in tokens (default 2048)")
+    gen.set_defaults(run=_generate)
+
+    ins = sub.add_parser("inspect", help="show a model's spec, parameter count and KV-cache size")
+    ins.add_argument("model", help=MODEL_HELP)
+    ins.add_argument("--context", type=int, default=4096, help="context length for the KV-cache total")
+    ins.add_argument("--batch", type=int, default=1, help="batch size for the KV-cache total")
+    ins.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ins.add_argument("--json", action="store_true")
+    ins.set_defaults(run=_inspect)
+
+    lst = sub.add_parser("passes", help="list the registered passes")
+    lst.add_argument("--explain", action="store_true", help="also say what each pass matches and rewrites")
+    lst.set_defaults(run=_passes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("max_tokens", "max_context", "context", "batch"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    progress.use_reporter(RichReporter(Console(stderr=True)))
+    try:
+        return args.run(args)
+    except LlmlowerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        progress.use_reporter(None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

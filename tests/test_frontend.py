@@ -1,0 +1,106 @@
+"""Loading checkpoints: ModelSpec contents, and a clear error naming the file for each kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from llmlower.cli import main
+from llmlower.errors import CheckpointError
+from llmlower.frontend import load
+
+
+def test_spec_from_checkpoint(tiny_checkpoints):
+    spec = load(tiny_checkpoints["llama"]).spec
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (2, 4, 2, 16)
+    assert (spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.max_positions) == (
+        64,
+        128,
+        320,
+        128,
+    )
+    assert spec.eos_token_ids == (4,) and spec.bos_token_id == 1
+    assert spec.rope["rope_theta"] == 10000.0
+    assert "<|im_start|>" in spec.chat_template
+    assert spec.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4
+
+
+def test_spec_of_gpt2_uses_its_config_names(tiny_checkpoints):
+    spec = load(tiny_checkpoints["gpt2"]).spec
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.intermediate_size) == (2, 4, 4, 256)
+    assert spec.rope is None
+
+
+def test_mistral_window_applies_to_every_layer(tiny_checkpoints):
+    spec = load(tiny_checkpoints["mistral"]).spec
+    assert [spec.window_for_layer(i) for i in range(spec.num_layers)] == [6, 6]
+
+
+def _copy(src, tmp_path):
+    return shutil.copytree(src, tmp_path / "ckpt")
+
+
+def _assert_cli_error(path, capsys, *needles):
+    code = main(["inspect", str(path)])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err
+
+
+def test_directory_without_config(tiny_llama, tmp_path, capsys):
+    ckpt = _copy(tiny_llama, tmp_path)
+    (ckpt / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"config\.json: not found"):
+        load(ckpt)
+    _assert_cli_error(ckpt, capsys, "config.json", "not found")
+
+
+def test_unknown_model_type(tiny_llama, tmp_path, capsys):
+    ckpt = _copy(tiny_llama, tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model_type"] = "llama_from_the_future"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="model_type 'llama_from_the_future' is not known"):
+        load(ckpt)
+    _assert_cli_error(ckpt, capsys, "config.json", "llama_from_the_future")
+
+
+def test_malformed_config_json(tiny_llama, tmp_path):
+    ckpt = _copy(tiny_llama, tmp_path)
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        load(ckpt)
+
+
+def test_truncated_safetensors(tiny_llama, tmp_path, capsys):
+    ckpt = _copy(tiny_llama, tmp_path)
+    weights = ckpt / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated safetensors file"):
+        load(ckpt)
+    _assert_cli_error(ckpt, capsys, "model.safetensors", "truncated")
+
+
+def test_pickle_weights_are_refused(tiny_llama, tmp_path):
+    ckpt = _copy(tiny_llama, tmp_path)
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(CheckpointError, match="pickle files are never loaded"):
+        load(ckpt)
+
+
+def test_file_that_is_not_gguf(tmp_path, capsys):
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"PK\x03\x04 this is a zip, not a GGUF file")
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
+        load(bogus)
+    _assert_cli_error(bogus, capsys, "model.gguf", "not a GGUF file")
+
+
+def test_missing_path(tmp_path, capsys):
+    _assert_cli_error(tmp_path / "nowhere", capsys, "nowhere", "no such file or directory")

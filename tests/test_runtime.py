@@ -1,0 +1,99 @@
+"""The runtime's greedy decode loop on the torch backend, its tokenizer and its independence from torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from llmlower.api import load_engine
+from llmlower.errors import GenerationError
+from llmlower.runtime import Engine, StepBatch, Tokenizer, pad_batch
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return load_engine(tiny_llama, max_batch=2, max_context=48)
+
+
+def test_batched_greedy_equals_transformers_generate(engine, tiny_llama):
+    prompts = ["The quick brown fox", "def add(a, b):", "東京", "caches hold keys and values"]
+    results = engine.generate(prompts, max_tokens=12, chat=False)  # 4 prompts in waves of max_batch=2
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    for result in results:
+        prompt = torch.tensor([result.prompt_token_ids])
+        expected = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=4, pad_token_id=0)
+        assert result.token_ids == expected[0, prompt.shape[1] :].tolist()
+        assert result.finish_reason in ("stop", "length")
+        assert result.timing.ttft_s > 0
+
+
+def test_chat_prompt_uses_the_checkpoint_template(engine, tiny_llama):
+    reference = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert engine.tokenizer.apply_chat_template(messages) == expected
+    assert engine.prompt_token_ids(messages) == reference(expected, add_special_tokens=False).input_ids
+
+
+def test_stops_at_eos_or_max_tokens(engine):
+    free_run = engine.generate(["abc"], max_tokens=6, chat=False)[0]
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == 6
+    third = free_run.token_ids[2]
+    stopping = Engine(engine.executor, engine.tokenizer, replace(engine.spec, eos_token_ids=(third,)))
+    result = stopping.generate(["abc"], max_tokens=6, chat=False)[0]
+    first_eos = free_run.token_ids.index(third)
+    assert result.finish_reason == "stop"
+    assert result.token_ids == free_run.token_ids[: first_eos + 1]
+
+
+def test_prompt_longer_than_context_is_refused(engine):
+    with pytest.raises(GenerationError, match=r"prompts\[0\] has \d+ tokens; the context holds 48"):
+        engine.generate(["word " * 80], max_tokens=4, chat=False)
+
+
+def test_invalid_max_tokens(engine):
+    with pytest.raises(GenerationError, match="max_tokens must be an integer >= 1"):
+        engine.generate(["abc"], max_tokens=0)
+
+
+def test_pad_batch_right_pads_and_keeps_positions_in_range():
+    padded = pad_batch(StepBatch(slots=[0, 1], tokens=[[7, 8, 9], [5]], past_lens=[0, 10]))
+    assert padded.input_ids.tolist() == [[7, 8, 9], [5, 0, 0]]
+    assert padded.position_ids.tolist() == [[0, 1, 2], [10, 10, 10]]
+    assert padded.input_lens.tolist() == [3, 1]
+    assert padded.past_lens.dtype == np.int64
+
+
+def test_runtime_imports_without_torch_or_transformers(tiny_llama):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "transformers"):
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        from llmlower.runtime import Engine, Tokenizer, StepBatch
+        tok = Tokenizer.from_dir({str(tiny_llama)!r})
+        text = tok.apply_chat_template([{{"role": "user", "content": "hi"}}])
+        assert tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=False) == text
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_tokenizer_without_chat_template(tiny_llama):
+    tok = Tokenizer.from_dir(tiny_llama)
+    tok.chat_template = None
+    with pytest.raises(GenerationError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
