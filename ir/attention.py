@@ -29,34 +29,26 @@ def attention(
     scale: float,
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    batch, heads, tokens, head_dim = q.shape
-    kv_heads, context = k_cache.shape[1], k_cache.shape[2]
-    steps = torch.arange(tokens, device=q.device)
-    positions = past_lens[:, None] + steps[None, :]  # [batch, tokens]
-    valid = steps[None, :] < input_lens[:, None]
+    tokens, context = q.shape[2], k_cache.shape[2]
     totals = past_lens + input_lens
-    if int(totals.max()) > context:
-        raise ValueError(f"attention: {int(totals.max())} tokens do not fit a KV cache of {context} positions")
+    used = int(totals.max())
+    if used > context:
+        raise ValueError(f"attention: {used} tokens do not fit a KV cache of {context} positions")
 
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    rows, cols = valid.nonzero(as_tuple=True)
-    slots = positions[rows, cols]
-    k_cache[rows, :, slots] = k[rows, :, cols].to(k_cache.dtype)
-    v_cache[rows, :, slots] = v[rows, :, cols].to(v_cache.dtype)
+    for row, (past, count) in enumerate(zip(past_lens.tolist(), input_lens.tolist(), strict=True)):
+        k_cache[row, :, past : past + count] = k[row, :, :count]
+        v_cache[row, :, past : past + count] = v[row, :, :count]
 
-    used = int(totals.max())
+    positions = past_lens[:, None] + torch.arange(tokens, device=q.device)  # [batch, tokens]
     keys = torch.arange(used, device=q.device)
-    allowed = (keys[None, None, :] <= positions[:, :, None]) & (keys[None, None, :] < totals[:, None, None])
+    allowed = (keys <= positions[:, :, None]) & (keys < totals[:, None, None])  # [batch, tokens, used]
     if window > 0:
-        allowed &= keys[None, None, :] > positions[:, :, None] - window
-
-    group = heads // kv_heads
-    q_grouped = q.reshape(batch, kv_heads, group, tokens, head_dim).float()
-    scores = torch.einsum("bhgtd,bhsd->bhgts", q_grouped, k_cache[:, :, :used].float()) * scale
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padded query with no key gets zeros
-    out = torch.einsum("bhgts,bhsd->bhgtd", probs, v_cache[:, :, :used].float())
-    return out.reshape(batch, heads, tokens, head_dim).to(q.dtype), k_cache, v_cache
+        allowed &= keys > positions[:, :, None] - window
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k_cache[:, :, :used], v_cache[:, :, :used], attn_mask=allowed[:, None], scale=scale, enable_gqa=True
+    )
+    return out, k_cache, v_cache
 
 
 @attention.register_fake

@@ -1,8 +1,9 @@
 """Program: a flat torch.fx GraphModule captured by torch.export, with its ModelSpec and signature.
 
 Inputs and outputs are named; dimension names ("batch", "tokens", "context") say which sizes are dynamic.
-Passes rewrite `graph_module` in place and record themselves in `history`; `reexport()` runs torch.export
-again so that every node carries fresh shape metadata and the graph is known to still export.
+Passes rewrite `graph_module` in place and record themselves in `history`. A pass that adds nodes without
+shape metadata marks the program stale; a later pass that reads shapes calls `with_fresh_meta()`, which
+runs torch.export again (seconds on a real model, so only when someone needs it).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class Program:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     history: list[PassRecord] = field(default_factory=list)
+    fresh_meta: bool = True  # every node carries torch.export's shape metadata
 
     @property
     def input_names(self) -> list[str]:
@@ -91,7 +93,12 @@ class Program:
         return dict(zip(self.output_names, results, strict=True))
 
     def with_signature(self, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> Program:
-        return replace(self, inputs=inputs, outputs=outputs)
+        """The program with a new signature; its new nodes have no metadata yet."""
+        return replace(self, inputs=inputs, outputs=outputs, fresh_meta=False)
+
+    def with_fresh_meta(self) -> Program:
+        """This program if its metadata is fresh, else a re-exported copy."""
+        return self if self.fresh_meta else self.reexport()
 
     def export(self) -> torch.export.ExportedProgram:
         """torch.export of the current graph, dynamic in every named dimension."""
@@ -108,7 +115,7 @@ class Program:
 
     def reexport(self) -> Program:
         """A copy whose graph comes from a fresh torch.export (fresh node metadata)."""
-        return replace(self, graph_module=flat_graph_module(self.export(), strip_asserts=True))
+        return replace(self, graph_module=flat_graph_module(self.export(), strip_asserts=True), fresh_meta=True)
 
     def parameters_numel(self) -> int:
         return sum(t.numel() for t in _constants(self.graph_module))

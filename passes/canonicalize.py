@@ -67,6 +67,7 @@ def _fold_constants(gm: torch.fx.GraphModule) -> int:
 
 
 def canonicalize(program: Program) -> tuple[Program, dict[str, Any]]:
+    program = program.with_fresh_meta()
     gm = program.graph_module
     asserts = identities = 0
     for node in list(gm.graph.nodes):

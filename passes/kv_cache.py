@@ -64,6 +64,7 @@ def _sdpa_arguments(node: torch.fx.Node) -> dict[str, Any]:
 def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
     if program.has_kv_cache:
         raise PassError("kv_cache: the program already has a KV cache")
+    program = program.with_fresh_meta()
     spec = program.spec
     gm = program.graph_module
     graph = gm.graph
@@ -131,7 +132,7 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
     output.args = (tuple(output.args[0]) + tuple(new_outputs),)
     finish(gm)
     rewritten = program.with_signature(program.inputs + new_inputs, program.outputs + output_specs)
-    return rewritten.reexport(), {"matches": len(sites), "kv_heads": spec.num_kv_heads, "heads": heads}
+    return rewritten, {"matches": len(sites), "kv_heads": spec.num_kv_heads, "heads": heads}
 
 
 register_pass(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmlower.frontend import capture, load
-from llmlower.ir.program import cache_names
+from llmlower.ir.program import cache_names, example_inputs
 from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
 from llmlower.passes.kv_cache import SDPA
 
@@ -133,3 +133,15 @@ def test_no_sdpa_and_no_mask_construction_after_kv_cache(rewritten):
     record = {r.name: r for r in program.history}
     assert record["kv_cache"].stats["matches"] == program.spec.num_layers
     assert record["kv_cache"].max_error is not None and record["kv_cache"].max_error < 1e-5
+
+
+def test_rewritten_program_still_exports(rewritten):
+    """Backends re-export the rewritten graph: it must export, and compute the same outputs after."""
+    _, program = rewritten
+    inputs = example_inputs(program, batch=2, tokens=4, context=12, past_max=8, seed=3)
+    expected = program(**inputs)
+    reexported = program.reexport()
+    assert reexported.fresh_meta
+    actual = reexported(**inputs)
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, atol=1e-6, rtol=0)
