@@ -60,7 +60,7 @@ def load(path: str | Path, dtype: str = "float32") -> LoadedModel:
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    with stage(f"load {path.name}"):
+    with stage(f"load {path}"):
         loaded = _load_directory(path, dtype) if path.is_dir() else _load_gguf(path, dtype)
     loaded.module.eval().requires_grad_(False)
     return loaded

@@ -97,3 +97,13 @@ def test_tokenizer_without_chat_template(tiny_llama):
     tok.chat_template = None
     with pytest.raises(GenerationError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_bfloat16_program_matches_transformers_in_bfloat16(tiny_llama):
+    engine = load_engine(tiny_llama, dtype="bfloat16", max_batch=1, max_context=32)
+    assert all(cache.dtype == torch.bfloat16 for cache in engine.executor.caches.values())
+    result = engine.generate(["The quick brown fox"], max_tokens=8, chat=False)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
+    prompt = torch.tensor([result.prompt_token_ids])
+    expected = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=4, pad_token_id=0)
+    assert result.token_ids == expected[0, prompt.shape[1] :].tolist()
