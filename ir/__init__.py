@@ -1,7 +1,26 @@
 """The llm op set shared by passes, backends and the cost model, and the Program they operate on."""
 
 from .attention import ATTENTION
+from .norms import ADD_RMS_NORM, RMS_NORM
 from .program import Program, TensorSpec
+from .qlinear import QEMBEDDING, QLINEAR
 from .registry import OPS, Cost, OpDef, op_of, register_op
+from .rope import ROPE
+from .silu_mul import SILU_MUL
 
-__all__ = ["ATTENTION", "OPS", "Cost", "OpDef", "Program", "TensorSpec", "op_of", "register_op"]
+__all__ = [
+    "ADD_RMS_NORM",
+    "ATTENTION",
+    "OPS",
+    "QEMBEDDING",
+    "QLINEAR",
+    "RMS_NORM",
+    "ROPE",
+    "SILU_MUL",
+    "Cost",
+    "OpDef",
+    "Program",
+    "TensorSpec",
+    "op_of",
+    "register_op",
+]

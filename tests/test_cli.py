@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from llmlower.cli import main
+from llmlower.passes import PASSES
 
 
 def test_generate_json(tiny_llama, capsys):
@@ -39,7 +40,8 @@ def test_passes_lists_registered_passes():
     done = subprocess.run([sys.executable, "-m", "llmlower.cli", "passes"], capture_output=True, text=True)
     assert done.returncode == 0
     names = [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
-    assert names == ["canonicalize", "kv_cache"]
+    assert names == list(PASSES)
+    assert {"canonicalize", "kv_cache", "fuse_norms", "fuse_rope", "fuse_projections"} <= set(names)
 
 
 def test_bad_flag_value_exits_nonzero_without_traceback(tiny_llama, capsys):

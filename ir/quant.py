@@ -1,0 +1,110 @@
+"""Weight-only quantization formats, defined once for the quantize pass, the ops and the backends.
+
+int4 (group 32/64/128) is stored exactly as ONNX Runtime's MatMulNBits reads it, so the ONNX backend uses
+the tensors without repacking; a weight [N, K] becomes
+  qweight uint8 [N, blocks, group/2]  two 4-bit values per byte, the even element in the low nibble;
+  scales        [N, blocks]            in the model's dtype;
+  zeros   uint8 [N, ceil(blocks/2)]    packed 4-bit zero points (asymmetric), None when symmetric (= 8);
+with blocks = ceil(K / group) and K zero-padded to blocks x group.
+Symmetric: scale = max|w| / 7, q = clamp(round(w / scale), -8, 7) + 8.
+Asymmetric: lo = min(w, 0), hi = max(w, 0), scale = (hi - lo) / 15, zero = clamp(round(-lo / scale), 0, 15),
+q = clamp(round(w / scale) + zero, 0, 15). Dequantized: (q - zero) * scale.
+int8 is per output channel and symmetric: qweight int8 [N, K], scales [N, 1], scale = max|w| / 127.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """bits 4 with a group size, or bits 8 per channel (group 0)."""
+
+    bits: int
+    group: int = 0
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bits == 4 and self.group not in (16, 32, 64, 128, 256):
+            raise ValueError(f"int4 needs a group size of 16, 32, 64, 128 or 256, got {self.group}")
+        if self.bits == 8 and (self.group != 0 or not self.symmetric):
+            raise ValueError("int8 is per output channel (group 0) and symmetric")
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+
+    @property
+    def name(self) -> str:
+        if self.bits == 8:
+            return "q8"
+        return f"q4g{self.group}" + ("-sym" if self.symmetric else "")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    in_features: int
+
+    def nbytes(self) -> int:
+        tensors = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 along the last dim (even length) -> bytes, the even element in the low nibble."""
+    return values[..., 0::2] | (values[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_nibbles: bytes -> uint8 values 0..15, twice as many along the last dim."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
+    """Quantize a linear weight [N, K] (any float dtype; the math runs in float32)."""
+    out_features, in_features = weight.shape
+    w = weight.float()
+    if scheme.bits == 8:
+        scales = w.abs().amax(dim=1, keepdim=True) / 127
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+        q = torch.clamp(torch.round(w / scales), -127, 127).to(torch.int8)
+        return QuantizedWeight(q, scales.to(weight.dtype), None, in_features)
+
+    group = scheme.group
+    blocks = -(-in_features // group)
+    w = torch.nn.functional.pad(w, (0, blocks * group - in_features)).reshape(out_features, blocks, group)
+    if scheme.symmetric:
+        scales = w.abs().amax(dim=-1) / 7
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+        q = torch.clamp(torch.round(w / scales[..., None]), -8, 7) + 8
+        zeros = None
+    else:
+        lo = torch.clamp(w.amin(dim=-1), max=0)
+        hi = torch.clamp(w.amax(dim=-1), min=0)
+        scales = (hi - lo) / 15
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+        zero = torch.clamp(torch.round(-lo / scales), 0, 15)
+        q = torch.clamp(torch.round(w / scales[..., None]) + zero[..., None], 0, 15)
+        padded_zero = torch.nn.functional.pad(zero, (0, blocks % 2)).to(torch.uint8)
+        zeros = pack_nibbles(padded_zero)
+    return QuantizedWeight(pack_nibbles(q.to(torch.uint8)), scales.to(weight.dtype), zeros, in_features)
+
+
+def dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, in_features: int
+) -> torch.Tensor:
+    """The float32 weight [N, K] a quantized weight stands for."""
+    if bits == 8:
+        return qweight.float() * scales.float()
+    out_features, blocks, _ = qweight.shape
+    q = unpack_nibbles(qweight).float()  # [N, blocks, group]
+    if zeros is None:
+        zero = torch.full((out_features, blocks), 8.0)
+    else:
+        zero = unpack_nibbles(zeros)[:, :blocks].float()
+    w = (q - zero[..., None]) * scales.float()[..., None]
+    return w.reshape(out_features, -1)[:, :in_features]
