@@ -32,3 +32,26 @@ def finish(gm: torch.fx.GraphModule) -> None:
     remove_unused_constants(gm)
     gm.graph.lint()
     gm.recompile()
+
+
+def output_node_for(gm: torch.fx.GraphModule, output_names: list[str], name: str) -> torch.fx.Node:
+    """The graph node returned as output `name`."""
+    return gm.graph.output_node().args[0][output_names.index(name)]
+
+
+def placeholder(gm: torch.fx.GraphModule, name: str) -> torch.fx.Node:
+    return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == name)
+
+
+def lm_head(gm: torch.fx.GraphModule, logits: torch.fx.Node, heads: set) -> torch.fx.Node | None:
+    """The matmul producing `logits`: the node itself, or found through single-input ops applied after it
+    (a final softcap, a cast). `heads` are the op targets that count as a matmul."""
+    node = logits
+    while node.op == "call_function":
+        if node.target in heads:
+            return node
+        inputs = node.all_input_nodes
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+    return None

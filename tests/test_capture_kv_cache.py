@@ -7,7 +7,7 @@ import torch
 
 from llmlower.frontend import capture, load
 from llmlower.ir.program import cache_names, example_inputs
-from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
+from llmlower.passes import FUSION, run_pipeline
 from llmlower.passes.kv_cache import SDPA
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2"]
@@ -44,7 +44,7 @@ MASK_OPS = {
 @pytest.fixture(scope="module", params=ARCHS)
 def rewritten(request, tiny_checkpoints):
     loaded = load(tiny_checkpoints[request.param])
-    program = run_pipeline(capture(loaded), DEFAULT_PIPELINE, verify=True)
+    program = run_pipeline(capture(loaded), ["canonicalize", *FUSION, "kv_cache"], verify=True)
     return loaded, program
 
 

@@ -8,7 +8,7 @@ import torch
 from llmlower.frontend import capture, load
 from llmlower.ir import ROPE, SILU_MUL
 from llmlower.ir.program import example_inputs, fetch_attr
-from llmlower.passes import DEFAULT_PIPELINE, FUSION, run_pipeline
+from llmlower.passes import FUSION, run_pipeline
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2"]
 LLAMA_FAMILY = ["llama", "mistral", "qwen2", "qwen3"]
@@ -20,7 +20,7 @@ def pair(request, tiny_checkpoints):
     """(arch, unfused program, fused program), both with a KV cache."""
     loaded = load(tiny_checkpoints[request.param])
     unfused = run_pipeline(capture(loaded), ["canonicalize", "kv_cache"])
-    fused = run_pipeline(capture(loaded), DEFAULT_PIPELINE, verify=True)
+    fused = run_pipeline(capture(loaded), ["canonicalize", *FUSION, "kv_cache"], verify=True)
     return request.param, unfused, fused
 
 

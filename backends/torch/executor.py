@@ -45,6 +45,9 @@ class TorchExecutor(Executor):
         outputs = self.program(**inputs)
         for name, cache in self.caches.items():
             cache[slots, :, :used] = outputs[name]
-        rows = torch.arange(len(slots))
-        last = outputs[LOGITS][rows, torch.from_numpy(padded.input_lens) - 1]
-        return last.float().numpy()
+        logits = outputs[LOGITS]
+        if logits.shape[1] > 1:  # every position's logits: pick each sequence's last new token
+            logits = logits[torch.arange(len(slots)), torch.from_numpy(padded.input_lens) - 1]
+        else:
+            logits = logits[:, 0]
+        return logits.float().numpy()

@@ -1,0 +1,31 @@
+"""last_token_logits: one logits row per sequence, equal to the last real row of the full program."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from llmlower.errors import PassError
+from llmlower.frontend import capture, load
+from llmlower.ir.program import example_inputs
+from llmlower.passes import FUSION, run_pipeline
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_prefill_of_three_sequences_returns_three_rows(arch, tiny_checkpoints):
+    full = run_pipeline(capture(load(tiny_checkpoints[arch])), ["canonicalize", *FUSION, "kv_cache"])
+    last = run_pipeline(copy.deepcopy(full), ["last_token_logits"], verify=True)
+    inputs = example_inputs(full, batch=3, tokens=7, context=16, seed=5)
+    inputs["input_lens"] = torch.tensor([7, 2, 4])
+    expected = full(**inputs)["logits"]
+    actual = last(**inputs)["logits"]
+    assert actual.shape == (3, 1, full.spec.vocab_size)
+    torch.testing.assert_close(actual[:, 0], expected[torch.arange(3), inputs["input_lens"] - 1], atol=1e-5, rtol=0)
+    assert last.outputs[0].shape == ("batch", 1, full.spec.vocab_size)
+
+
+def test_needs_kv_cache_first(tiny_llama):
+    with pytest.raises(PassError, match="run kv_cache first"):
+        run_pipeline(capture(load(tiny_llama)), ["last_token_logits"])
