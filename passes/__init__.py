@@ -7,6 +7,7 @@ from . import (  # noqa: F401  (registration)
     fuse_rope,
     kv_cache,
     last_token_logits,
+    quantize_weights,
 )
 from .manager import run_pipeline
 from .registry import PASSES, Pass, register_pass

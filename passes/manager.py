@@ -60,7 +60,7 @@ def _run_one(program: Program, name: str, options: dict[str, Any], verify: bool)
         max_error = None
         if verify:
             inputs = _verify_inputs(program, past_max)
-            max_error = _compare(reference, program(**inputs), inputs.get(INPUT_LENS), p.tolerance, name)
+            max_error = _compare(reference, program(**inputs), inputs.get(INPUT_LENS), p.tolerance_for(options), name)
         stats = {**pass_stats, **{f"{k}_before": v for k, v in before.items()}, **after}
         shown.detail = ", ".join(f"{k}={v}" for k, v in pass_stats.items()) + (
             f", verified (max error {max_error:.2e})" if verify else ""

@@ -14,14 +14,18 @@ class Pass:
     """A named Program -> Program rewrite.
 
     `run(program, **options)` returns the rewritten program and a dict of pass-specific stats (e.g. the
-    number of pattern matches). `tolerance` bounds verification's relative error for this pass.
+    number of pattern matches). `tolerance` bounds verification's relative error for this pass: a number,
+    or a function of the pass's options (quantization depends on the bit width).
     """
 
     name: str
     summary: str
     explain: str
     run: Callable[..., tuple[Program, dict[str, Any]]]
-    tolerance: float = 1e-5
+    tolerance: float | Callable[[dict[str, Any]], float] = 1e-5
+
+    def tolerance_for(self, options: dict[str, Any]) -> float:
+        return self.tolerance(options) if callable(self.tolerance) else self.tolerance
 
 
 PASSES: dict[str, Pass] = {}

@@ -1,0 +1,141 @@
+"""Weight quantization: formats against a straightforward reference quantizer and against ONNX Runtime's own
+MatMulNBits kernel; the quantize pass's options, tied weights and sizes."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from llmlower.frontend import capture, load
+from llmlower.ir import QEMBEDDING, QLINEAR
+from llmlower.ir.program import fetch_attr
+from llmlower.ir.quant import QuantScheme, dequantize, quantize
+from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
+
+SCHEMES = [QuantScheme(8), QuantScheme(4, 32, False), QuantScheme(4, 64, True), QuantScheme(4, 128, True)]
+
+
+def reference_dequantized(weight: np.ndarray, scheme: QuantScheme) -> np.ndarray:
+    """Quantize and dequantize one group at a time, as the format's docstring spells it (float32 math)."""
+    weight = weight.astype(np.float32)
+    out = np.zeros_like(weight)
+    rows, cols = weight.shape
+    group = cols if scheme.bits == 8 else scheme.group
+    for r in range(rows):
+        for start in range(0, cols, group):
+            w = weight[r, start : start + group]
+            if scheme.bits == 8:
+                scale = np.float32(np.abs(w).max() / np.float32(127))
+                q = np.clip(np.round(w / scale), -127, 127)
+                out[r, start : start + group] = q * scale
+            elif scheme.symmetric:
+                scale = np.float32(np.abs(w).max() / np.float32(7))
+                q = np.clip(np.round(w / scale), -8, 7) + 8
+                out[r, start : start + group] = (q - 8) * scale
+            else:
+                lo, hi = min(w.min(), np.float32(0)), max(w.max(), np.float32(0))
+                scale = np.float32((hi - lo) / np.float32(15))
+                zero = np.clip(np.round(-lo / scale), 0, 15)
+                q = np.clip(np.round(w / scale) + zero, 0, 15)
+                out[r, start : start + group] = (q - zero) * scale
+    return out
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("cols", [256, 200])  # 200: the last group is partial (zero-padded)
+def test_dequantized_weights_match_reference_bit_for_bit(scheme, cols):
+    weight = torch.randn(24, cols, generator=torch.Generator().manual_seed(cols))
+    packed = quantize(weight, scheme)
+    ours = dequantize(packed.qweight, packed.scales, packed.zeros, scheme.bits, packed.in_features)
+    assert ours.shape == weight.shape
+    np.testing.assert_array_equal(ours.numpy(), reference_dequantized(weight.numpy(), scheme))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES[1:], ids=lambda s: s.name)
+def test_int4_layout_is_what_onnxruntime_matmulnbits_reads(scheme):
+    rows, k, n = 5, 320, 48  # 320 / 128 = 2.5: a padded last block and an odd number of zero points
+    gen = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
+    packed = quantize(weight, scheme)
+    blocks = packed.qweight.shape[1]
+    assert packed.qweight.shape == (n, blocks, scheme.group // 2) and packed.qweight.dtype == torch.uint8
+    assert packed.scales.shape == (n, blocks)
+    inputs = ["A", "B", "scales"] + ([] if packed.zeros is None else ["zero_points"])
+    initializers = [
+        numpy_helper.from_array(packed.qweight.numpy(), "B"),
+        numpy_helper.from_array(packed.scales.numpy().reshape(-1), "scales"),
+    ]
+    if packed.zeros is not None:
+        assert packed.zeros.shape == (n, (blocks + 1) // 2)
+        initializers.append(numpy_helper.from_array(packed.zeros.numpy().reshape(-1), "zero_points"))
+    node = helper.make_node(
+        "MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=scheme.group
+    )
+    graph = helper.make_graph(
+        [node],
+        "matmulnbits",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [rows, k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [rows, n])],
+        initializers,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)], ir_version=10
+    )
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    [actual] = session.run(None, {"A": x.numpy()})
+    expected = QLINEAR.op(x, packed.qweight, packed.scales, packed.zeros, None, 4, k)
+    np.testing.assert_allclose(actual, expected.numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def gpt2_program(tiny_checkpoints):
+    """GPT-2: Conv1D projections (addmm) and an LM head tied to the token embedding."""
+    return run_pipeline(capture(load(tiny_checkpoints["gpt2"])), DEFAULT_PIPELINE)
+
+
+def _targets(program, op):
+    return [n for n in program.graph_module.graph.nodes if n.target is op]
+
+
+def test_tied_embedding_and_lm_head_share_one_quantized_table(gpt2_program):
+    options = {"bits": 4, "group": 32, "quantize_embedding": True}
+    program = run_pipeline(copy.deepcopy(gpt2_program), [("quantize_weights", options)], verify=True)
+    stats = program.history[-1].stats
+    assert stats["linears_quantized"] == 2 * 4 + 1 and stats["embeddings_quantized"] == 2  # tokens and positions
+    gm = program.graph_module
+    head = _targets(program, QLINEAR.overload)[-1]
+    token_lookup = _targets(program, QEMBEDDING.overload)[0]
+    assert fetch_attr(gm, head.args[1].target) is fetch_attr(gm, token_lookup.args[1].target)  # one table
+    assert not any(p.dtype.is_floating_point and p.dim() == 2 for p in gm.parameters())  # no fp32 copy left
+
+
+def test_keep_options_leave_layers_in_full_precision(gpt2_program):
+    options = {"bits": 8, "keep_lm_head": True, "keep": ["h.0."]}
+    program = run_pipeline(copy.deepcopy(gpt2_program), [("quantize_weights", options)], verify=True)
+    stats = program.history[-1].stats
+    assert (stats["linears_quantized"], stats["linears_kept"]) == (4, 5)  # layer 1's four; layer 0's four + head
+    assert program.history[-1].max_error < 0.05
+    targets = [n.args[1].target for n in _targets(program, QLINEAR.overload)]
+    assert all(".h.1." in t for t in targets)
+
+
+def test_int4_verification_bounds_and_sizes(gpt2_program):
+    program = run_pipeline(copy.deepcopy(gpt2_program), [("quantize_weights", {"bits": 4, "group": 32})], verify=True)
+    stats = program.history[-1].stats
+    assert stats["scheme"] == "q4g32"
+    assert stats["quantized_weight_bytes_after"] <= 0.3 * stats["quantized_weight_bytes_before"]
+    assert stats["parameter_bytes"] < stats["parameter_bytes_before"]
+
+
+def test_bad_group_size_is_named(gpt2_program):
+    from llmlower.errors import PassError
+
+    with pytest.raises(PassError, match="group size"):
+        run_pipeline(copy.deepcopy(gpt2_program), [("quantize_weights", {"bits": 4, "group": 48})])
