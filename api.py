@@ -11,6 +11,7 @@ from .ir import Program
 from .passes import DEFAULT_PIPELINE, run_pipeline
 from .passes.manager import PassSpec
 from .runtime import Engine, Tokenizer
+from .runtime.perplexity import PerplexityResult, perplexity
 
 
 def compile_program(
@@ -38,6 +39,30 @@ def load_engine(
 ) -> Engine:
     """An Engine on the torch reference backend for MODEL."""
     loaded, program = compile_program(model, pipeline, dtype=dtype, verify=verify)
+    executor = TorchExecutor(program, max_batch=max_batch, max_context=max_context)
+    return Engine(executor, tokenizer_of(loaded), program.spec)
+
+
+def tokenizer_of(loaded: LoadedModel) -> Tokenizer:
     files = loaded.tokenizer
-    tokenizer = Tokenizer(files.tokenizer_json, files.config, files.chat_template)
-    return Engine(TorchExecutor(program, max_batch=max_batch, max_context=max_context), tokenizer, program.spec)
+    return Tokenizer(files.tokenizer_json, files.config, files.chat_template)
+
+
+def text_perplexity(
+    model: str | Path,
+    text: str,
+    pipeline: Sequence[PassSpec],
+    *,
+    dtype: str = "float32",
+    window: int = 512,
+    stride: int | None = None,
+) -> tuple[PerplexityResult, Program]:
+    """Sliding-window perplexity of `text` under MODEL compiled with `pipeline` (which must keep every
+    position's logits: no last_token_logits). The window is capped at the model's context; the stride
+    defaults to half the window."""
+    loaded, program = compile_program(model, pipeline, dtype=dtype)
+    window = min(window, program.spec.max_positions)
+    ids = tokenizer_of(loaded).encode(text, add_special_tokens=False)
+    executor = TorchExecutor(program, max_batch=1, max_context=window)
+    stride = stride or window // 2
+    return perplexity(executor.prompt_logits, ids, window=window, stride=stride), program

@@ -35,10 +35,18 @@ class RichReporter:
         self.console.print(f"[green]✓[/green] {description} ({seconds:.1f}s){suffix}", highlight=False)
 
 
+def _pipeline(args: argparse.Namespace, all_logits: bool = False) -> list:
+    from .passes import build_pipeline
+
+    return build_pipeline(args.passes, args.quant, args.keep, args.quant_embedding, all_logits=all_logits)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .api import load_engine
 
-    engine = load_engine(args.model, dtype=args.dtype, max_batch=1, max_context=args.max_context)
+    engine = load_engine(
+        args.model, _pipeline(args), dtype=args.dtype, max_batch=1, max_context=args.max_context, verify=args.verify
+    )
     result = engine.generate([args.prompt], max_tokens=args.max_tokens, chat=not args.raw)[0]
     if args.json:
         payload: dict[str, Any] = {
@@ -96,15 +104,54 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _perplexity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .api import text_perplexity
+
+    path = Path(args.text)
+    if not path.is_file():
+        raise LlmlowerError(f"{path}: --text file not found")
+    text = path.read_text(encoding="utf-8")
+    pipeline = _pipeline(args, all_logits=True)
+    result, program = text_perplexity(
+        args.model, text, pipeline, dtype=args.dtype, window=args.window, stride=args.stride
+    )
+    report = {"perplexity": result.perplexity, "tokens": result.tokens, "weight_bytes": program.parameters_bytes()}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        names = ", ".join(r.name for r in program.history)
+        print(f"perplexity {result.perplexity:.3f} over {result.tokens} tokens ({names})")
+        print(f"weights {report['weight_bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
 def _passes(args: argparse.Namespace) -> int:
     from .passes import DEFAULT_PIPELINE, PASSES
 
+    if args.explain not in (None, "all") and args.explain not in PASSES:
+        raise LlmlowerError(f"--explain: unknown pass {args.explain!r} (registered: {', '.join(PASSES)})")
     for name, p in PASSES.items():
+        if args.explain not in (None, "all", name):
+            continue
         default = " (default)" if name in DEFAULT_PIPELINE else ""
-        print(f"{name:<14} {p.summary}{default}")
+        print(f"{name:<18} {p.summary}{default}")
         if args.explain:
-            print(f"{'':<14} {p.explain}\n")
+            print(f"{'':<18} {p.explain}\n")
     return 0
+
+
+def _add_pipeline_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--passes", help="comma-separated passes (default: the default pipeline; see `passes`)")
+    parser.add_argument(
+        "--quant", default="none", help="weight quantization: none, q8, q4g32, q4g64, q4g128 (add -sym: symmetric)"
+    )
+    parser.add_argument(
+        "--keep", action="append", default=[], help="keep in full precision: lm_head or a weight-name substring"
+    )
+    parser.add_argument("--quant-embedding", action="store_true", help="also quantize the embedding table")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,9 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens (default 128)")
     gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and timing")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     gen.add_argument("--max-context", type=int, default=2048, help="KV-cache length in tokens (default 2048)")
+    gen.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
+    _add_pipeline_options(gen)
     gen.set_defaults(run=_generate)
+
+    ppl = sub.add_parser("perplexity", help="sliding-window perplexity of a text file under a pipeline")
+    ppl.add_argument("model", help=MODEL_HELP)
+    ppl.add_argument("--text", required=True, help="a UTF-8 text file")
+    ppl.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    ppl.add_argument("--stride", type=int, help="tokens the window advances (default: half the window)")
+    ppl.add_argument("--json", action="store_true", help='print {"perplexity", "tokens", "weight_bytes"}')
+    _add_pipeline_options(ppl)
+    ppl.set_defaults(run=_perplexity)
 
     ins = sub.add_parser("inspect", help="show a model's spec, parameter count and KV-cache size")
     ins.add_argument("model", help=MODEL_HELP)
@@ -130,14 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     ins.set_defaults(run=_inspect)
 
     lst = sub.add_parser("passes", help="list the registered passes")
-    lst.add_argument("--explain", action="store_true", help="also say what each pass matches and rewrites")
+    lst.add_argument(
+        "--explain", nargs="?", const="all", metavar="NAME", help="say what a pass (or every pass) matches and rewrites"
+    )
     lst.set_defaults(run=_passes)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("max_tokens", "max_context", "context", "batch"):
+    for name in ("max_tokens", "max_context", "context", "batch", "window", "stride"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)

@@ -4,11 +4,16 @@ int4 (group 32/64/128) is stored exactly as ONNX Runtime's MatMulNBits reads it,
 the tensors without repacking; a weight [N, K] becomes
   qweight uint8 [N, blocks, group/2]  two 4-bit values per byte, the even element in the low nibble;
   scales        [N, blocks]            in the model's dtype;
-  zeros   uint8 [N, ceil(blocks/2)]    packed 4-bit zero points (asymmetric), None when symmetric (= 8);
-with blocks = ceil(K / group) and K zero-padded to blocks x group.
+  zeros                                zero points: None when symmetric (= 8); asymmetric with
+                [N, blocks]            float zero points in the scales' dtype (MatMulNBits takes these), or
+          uint8 [N, ceil(blocks/2)]    packed 4-bit integer zero points (the "zp4" variant);
+with blocks = ceil(K / group) and K zero-padded to blocks x group. Dequantized: (q - zero) * scale.
 Symmetric: scale = max|w| / 7, q = clamp(round(w / scale), -8, 7) + 8.
-Asymmetric: lo = min(w, 0), hi = max(w, 0), scale = (hi - lo) / 15, zero = clamp(round(-lo / scale), 0, 15),
-q = clamp(round(w / scale) + zero, 0, 15). Dequantized: (q - zero) * scale.
+Asymmetric, float zero points (llama.cpp's Q4_1 grid): scale = (max - min) / 15, q = clamp(round((w - min) /
+scale), 0, 15), zero = -min / scale. A checkpoint that was Q4_1 (as the example GGUF is) is reproduced exactly.
+Asymmetric, 4-bit zero points: lo = min(w, 0), hi = max(w, 0), scale = (hi - lo) / 15,
+zero = clamp(round(-lo / scale), 0, 15), q = clamp(round(w / scale) + zero, 0, 15). Rounding the zero point
+to an integer shifts each group by up to scale / 2: on the Q4_1 example this costs +25% perplexity.
 int8 is per output channel and symmetric: qweight int8 [N, K], scales [N, 1], scale = max|w| / 127.
 """
 
@@ -21,11 +26,13 @@ import torch
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """bits 4 with a group size, or bits 8 per channel (group 0)."""
+    """bits 4 with a group size (symmetric, or asymmetric with float or packed 4-bit zero points), or
+    bits 8 per channel (group 0)."""
 
     bits: int
     group: int = 0
     symmetric: bool = True
+    packed_zeros: bool = False
 
     def __post_init__(self) -> None:
         if self.bits == 4 and self.group not in (16, 32, 64, 128, 256):
@@ -34,12 +41,14 @@ class QuantScheme:
             raise ValueError("int8 is per output channel (group 0) and symmetric")
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.packed_zeros and self.symmetric:
+            raise ValueError("packed zero points are for asymmetric int4")
 
     @property
     def name(self) -> str:
         if self.bits == 8:
             return "q8"
-        return f"q4g{self.group}" + ("-sym" if self.symmetric else "")
+        return f"q4g{self.group}" + ("-sym" if self.symmetric else "-zp4" if self.packed_zeros else "")
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,12 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
         scales = torch.where(scales == 0, torch.ones_like(scales), scales)
         q = torch.clamp(torch.round(w / scales[..., None]), -8, 7) + 8
         zeros = None
+    elif not scheme.packed_zeros:
+        lo = w.amin(dim=-1)
+        scales = (w.amax(dim=-1) - lo) / 15
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+        q = torch.clamp(torch.round((w - lo[..., None]) / scales[..., None]), 0, 15)
+        zeros = (-lo / scales).to(weight.dtype)
     else:
         lo = torch.clamp(w.amin(dim=-1), max=0)
         hi = torch.clamp(w.amax(dim=-1), min=0)
@@ -104,7 +119,9 @@ def dequantize(
     q = unpack_nibbles(qweight).float()  # [N, blocks, group]
     if zeros is None:
         zero = torch.full((out_features, blocks), 8.0)
-    else:
+    elif zeros.dtype == torch.uint8:
         zero = unpack_nibbles(zeros)[:, :blocks].float()
+    else:
+        zero = zeros.float()
     w = (q - zero[..., None]) * scales.float()[..., None]
     return w.reshape(out_features, -1)[:, :in_features]

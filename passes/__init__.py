@@ -10,9 +10,16 @@ from . import (  # noqa: F401  (registration)
     quantize_weights,
 )
 from .manager import run_pipeline
+from .pipelines import DEFAULT_PIPELINE, FUSION, build_pipeline, parse_quant
 from .registry import PASSES, Pass, register_pass
 
-FUSION: tuple[str, ...] = ("fuse_norms", "fuse_rope", "fuse_projections")
-DEFAULT_PIPELINE: tuple[str, ...] = ("canonicalize", *FUSION, "kv_cache", "last_token_logits")
-
-__all__ = ["DEFAULT_PIPELINE", "FUSION", "PASSES", "Pass", "register_pass", "run_pipeline"]
+__all__ = [
+    "DEFAULT_PIPELINE",
+    "FUSION",
+    "PASSES",
+    "Pass",
+    "build_pipeline",
+    "parse_quant",
+    "register_pass",
+    "run_pipeline",
+]

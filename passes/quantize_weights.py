@@ -2,8 +2,10 @@
 
 Every aten.linear (or Conv1D addmm) with a constant weight becomes `qlinear` over the weight in the
 format of ir/quant.py, except the LM head with keep_lm_head, the embedding unless quantize_embedding, and
-weights whose name contains one of `keep`. A weight used twice (tied embedding and LM head) is quantized
-once and shared.
+weights whose name contains one of `keep`. The LM head takes int8 (lm_head_bits) under an int4 scheme by
+default, as llama.cpp keeps its output layer at higher precision: small models lose most of their int4
+quality there (SmolLM2: perplexity +34% with an int4 head, see the tests). A weight used twice (tied
+embedding and LM head) is quantized once and shared.
 """
 
 from __future__ import annotations
@@ -18,27 +20,31 @@ from ..ir.program import LOGITS, Program, fetch_attr
 from ..ir.qlinear import QEMBEDDING, QLINEAR
 from ..ir.quant import QuantizedWeight, QuantScheme, quantize
 from .graph_utils import finish, lm_head, output_node_for
+from .patterns import is_constant
 from .registry import Pass, register_pass
 
 aten = torch.ops.aten
 
 
 class _Store:
-    """Quantizes each weight once, registers its tensors beside it, and counts the bytes."""
+    """Quantizes each weight once per scheme, registers its tensors beside it, and counts the bytes."""
 
-    def __init__(self, gm: torch.fx.GraphModule, scheme: QuantScheme) -> None:
-        self.gm, self.scheme = gm, scheme
-        self.done: dict[tuple[int, tuple[int, ...], bool], tuple[QuantizedWeight, list[str | None]]] = {}
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.done: dict[tuple[int, tuple[int, ...], bool, QuantScheme], tuple[QuantizedWeight, list[str | None]]] = {}
         self.bytes_before = self.bytes_after = 0
 
-    def get(self, target: str, transposed: bool = False) -> tuple[QuantizedWeight, list[str | None]]:
+    def get(
+        self, target: str, scheme: QuantScheme, transposed: bool = False
+    ) -> tuple[QuantizedWeight, list[str | None]]:
         """The quantized form of weight `target` ([out, in]; [in, out] when `transposed`, as Conv1D stores it).
         Keyed by the tensor's memory, so a weight reachable under two names (tied) is quantized once."""
         weight = fetch_attr(self.gm, target)
-        key = (weight.data_ptr(), tuple(weight.shape), transposed)
+        key = (weight.data_ptr(), tuple(weight.shape), transposed, scheme)
         if key not in self.done:
-            packed = quantize(weight.t() if transposed else weight, self.scheme)
+            packed = quantize(weight.t() if transposed else weight, scheme)
             owner, _, leaf = target.rpartition(".")
+            leaf = f"{leaf}_{scheme.name}"
             module = self.gm.get_submodule(owner)
             names: list[str | None] = []
             for suffix, tensor in (("qweight", packed.qweight), ("scales", packed.scales), ("zeros", packed.zeros)):
@@ -69,24 +75,40 @@ def _as_linear(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, Any, 
     return None
 
 
+def _scheme(bits: int, group: int, symmetric: bool, packed_zeros: bool) -> QuantScheme:
+    """int8 ignores the group and zero-point options (per channel, symmetric)."""
+    return QuantScheme(bits, group, symmetric, packed_zeros) if bits == 4 else QuantScheme(bits)
+
+
+def _swap(graph: torch.fx.Graph, node: torch.fx.Node, op: Any, args: tuple) -> None:
+    with graph.inserting_before(node):
+        new = graph.call_function(op, args)
+    new.meta.update({k: v for k, v in node.meta.items() if k == "val"})
+    node.replace_all_uses_with(new)
+
+
 def quantize_weights(
     program: Program,
     bits: int = 4,
     group: int = 32,
     symmetric: bool = False,
+    packed_zeros: bool = False,
     keep_lm_head: bool = False,
+    lm_head_bits: int = 8,
     quantize_embedding: bool = False,
     keep: tuple[str, ...] | list[str] = (),
 ) -> tuple[Program, dict[str, Any]]:
     try:
-        scheme = QuantScheme(bits, group if bits == 4 else 0, symmetric if bits == 4 else True)
+        scheme = _scheme(bits, group, symmetric, packed_zeros)
+        head_scheme = _scheme(lm_head_bits, group, symmetric, packed_zeros)
     except ValueError as exc:
         raise PassError(f"quantize_weights: {exc}") from None
     gm = program.graph_module
     graph = gm.graph
-    store = _Store(gm, scheme)
+    store = _Store(gm)
     head = lm_head(gm, output_node_for(gm, program.output_names, LOGITS), {aten.linear.default})
-    kept = quantized = 0
+    head_weight = fetch_attr(gm, head.args[1].target) if head is not None and is_constant(head.args[1]) else None
+    kept = quantized = embeddings = 0
     for node in list(graph.nodes):
         matmul = _as_linear(node)
         if matmul is None:
@@ -95,29 +117,30 @@ def quantize_weights(
         if (node is head and keep_lm_head) or any(k in weight.target for k in keep):
             kept += 1
             continue
-        packed, names = store.get(weight.target, transposed)
+        node_scheme = head_scheme if node is head else scheme
+        packed, names = store.get(weight.target, node_scheme, transposed)
         qweight, scales, zeros = store.attrs(node, names)
-        with graph.inserting_before(node):
-            qnode = graph.call_function(QLINEAR.overload, (x, qweight, scales, zeros, bias, bits, packed.in_features))
-        qnode.meta.update({k: v for k, v in node.meta.items() if k == "val"})
-        node.replace_all_uses_with(qnode)
+        _swap(graph, node, QLINEAR.overload, (x, qweight, scales, zeros, bias, node_scheme.bits, packed.in_features))
         quantized += 1
-    embeddings = 0
     for node in list(graph.nodes):
-        if not quantize_embedding or node.target is not aten.embedding.default or node.args[0].op != "get_attr":
+        if not quantize_embedding or node.target is not aten.embedding.default or not is_constant(node.args[0]):
             continue
-        packed, names = store.get(node.args[0].target)
+        table = fetch_attr(gm, node.args[0].target)
+        tied = head_weight is not None and not keep_lm_head and table.data_ptr() == head_weight.data_ptr()
+        node_scheme = head_scheme if tied else scheme  # a table tied to the head shares its quantized form
+        packed, names = store.get(node.args[0].target, node_scheme)
         qweight, scales, zeros = store.attrs(node, names)
-        with graph.inserting_before(node):
-            qnode = graph.call_function(
-                QEMBEDDING.overload, (node.args[1], qweight, scales, zeros, bits, packed.in_features)
-            )
-        qnode.meta.update({k: v for k, v in node.meta.items() if k == "val"})
-        node.replace_all_uses_with(qnode)
+        _swap(
+            graph,
+            node,
+            QEMBEDDING.overload,
+            (node.args[1], qweight, scales, zeros, node_scheme.bits, packed.in_features),
+        )
         embeddings += 1
     finish(gm)
     return program, {
         "scheme": scheme.name,
+        "lm_head": "kept" if keep_lm_head else head_scheme.name,
         "linears_quantized": quantized,
         "linears_kept": kept,
         "embeddings_quantized": embeddings,
@@ -139,9 +162,11 @@ register_pass(
         explain=(
             "Replaces each aten.linear with a constant weight by llmlower::qlinear over int8 per-output-channel "
             "weights (symmetric) or int4 weights in groups along the input dim (symmetric, zero point 8, or "
-            "asymmetric with 4-bit zero points), packed in ONNX Runtime MatMulNBits' layout. Options: bits, "
-            "group, symmetric, keep_lm_head, quantize_embedding (llmlower::qembedding), keep (weight-name "
-            "substrings left in full precision). A tied embedding/LM head weight is quantized once."
+            "asymmetric with float zero points, or with packed 4-bit ones), in ONNX Runtime MatMulNBits' "
+            "layout. Options: bits, group, symmetric, packed_zeros, lm_head_bits (8 by default: the LM head "
+            "in int8 under int4), keep_lm_head, "
+            "quantize_embedding (llmlower::qembedding), keep (weight-name substrings left in full precision). "
+            "A tied embedding/LM head weight is quantized once."
         ),
         run=quantize_weights,
         tolerance=_tolerance,

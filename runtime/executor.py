@@ -52,3 +52,8 @@ class Executor(ABC):
     @abstractmethod
     def step(self, batch: StepBatch) -> np.ndarray:
         """Run one step; returns float32 logits [len(batch.slots), vocab] of each sequence's last new token."""
+
+    @abstractmethod
+    def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """float32 logits [len(tokens), vocab] of every position of a fresh sequence (for scoring text);
+        needs a program that computes every position's logits (no last_token_logits)."""

@@ -18,17 +18,24 @@ from llmlower.ir.program import fetch_attr
 from llmlower.ir.quant import QuantScheme, dequantize, quantize
 from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
 
-SCHEMES = [QuantScheme(8), QuantScheme(4, 32, False), QuantScheme(4, 64, True), QuantScheme(4, 128, True)]
+SCHEMES = [
+    QuantScheme(8),
+    QuantScheme(4, 32, symmetric=False),
+    QuantScheme(4, 64, symmetric=False, packed_zeros=True),
+    QuantScheme(4, 64, symmetric=True),
+    QuantScheme(4, 128, symmetric=True),
+]
 
 
 def reference_dequantized(weight: np.ndarray, scheme: QuantScheme) -> np.ndarray:
-    """Quantize and dequantize one group at a time, as the format's docstring spells it (float32 math)."""
-    weight = weight.astype(np.float32)
-    out = np.zeros_like(weight)
+    """Quantize and dequantize one group at a time, as the format's docstring spells it (float32 math; the
+    input dim zero-padded to whole groups)."""
     rows, cols = weight.shape
     group = cols if scheme.bits == 8 else scheme.group
+    weight = np.pad(weight.astype(np.float32), ((0, 0), (0, -cols % group)))
+    out = np.zeros_like(weight)
     for r in range(rows):
-        for start in range(0, cols, group):
+        for start in range(0, weight.shape[1], group):
             w = weight[r, start : start + group]
             if scheme.bits == 8:
                 scale = np.float32(np.abs(w).max() / np.float32(127))
@@ -38,13 +45,18 @@ def reference_dequantized(weight: np.ndarray, scheme: QuantScheme) -> np.ndarray
                 scale = np.float32(np.abs(w).max() / np.float32(7))
                 q = np.clip(np.round(w / scale), -8, 7) + 8
                 out[r, start : start + group] = (q - 8) * scale
+            elif not scheme.packed_zeros:
+                scale = np.float32((w.max() - w.min()) / np.float32(15))
+                q = np.clip(np.round((w - w.min()) / scale), 0, 15)
+                zero = np.float32(-w.min() / scale)
+                out[r, start : start + group] = (q - zero) * scale
             else:
                 lo, hi = min(w.min(), np.float32(0)), max(w.max(), np.float32(0))
                 scale = np.float32((hi - lo) / np.float32(15))
                 zero = np.clip(np.round(-lo / scale), 0, 15)
                 q = np.clip(np.round(w / scale) + zero, 0, 15)
                 out[r, start : start + group] = (q - zero) * scale
-    return out
+    return out[:, :cols]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
@@ -72,7 +84,9 @@ def test_int4_layout_is_what_onnxruntime_matmulnbits_reads(scheme):
         numpy_helper.from_array(packed.scales.numpy().reshape(-1), "scales"),
     ]
     if packed.zeros is not None:
-        assert packed.zeros.shape == (n, (blocks + 1) // 2)
+        expected_shape = (n, (blocks + 1) // 2) if scheme.packed_zeros else (n, blocks)
+        assert packed.zeros.shape == expected_shape
+        assert packed.zeros.dtype == (torch.uint8 if scheme.packed_zeros else packed.scales.dtype)
         initializers.append(numpy_helper.from_array(packed.zeros.numpy().reshape(-1), "zero_points"))
     node = helper.make_node(
         "MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=scheme.group
@@ -124,6 +138,20 @@ def test_keep_options_leave_layers_in_full_precision(gpt2_program):
     assert program.history[-1].max_error < 0.05
     targets = [n.args[1].target for n in _targets(program, QLINEAR.overload)]
     assert all(".h.1." in t for t in targets)
+
+
+def test_float_zero_points_reproduce_a_q4_1_grid_exactly():
+    """Weights already on llama.cpp's Q4_1 grid (scale d, offset m per 32) survive requantization exactly with
+    float zero points; 4-bit integer zero points shift each group."""
+    gen = torch.Generator().manual_seed(2)
+    d, m = torch.rand(16, 4, 1, generator=gen) * 0.1, -torch.rand(16, 4, 1, generator=gen)
+    q = torch.randint(0, 16, (16, 4, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # each group spans its whole grid
+    weight = (q * d + m).reshape(16, 128)
+    for packed_zeros, exact in ((False, True), (True, False)):
+        packed = quantize(weight, QuantScheme(4, 32, symmetric=False, packed_zeros=packed_zeros))
+        error = (dequantize(packed.qweight, packed.scales, packed.zeros, 4, 128) - weight).abs().max()
+        assert (error < 1e-6) == exact, (packed_zeros, error)
 
 
 def test_int4_verification_bounds_and_sizes(gpt2_program):

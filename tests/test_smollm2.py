@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from llmlower.api import load_engine
+from llmlower.api import compile_program, load_engine, tokenizer_of
+from llmlower.backends.torch import TorchExecutor
 from llmlower.frontend import example_gguf, load
+from llmlower.passes import build_pipeline, parse_quant, run_pipeline
+from llmlower.runtime.perplexity import perplexity
 
 PROMPTS = [
     "What is the capital of France?",
@@ -47,3 +52,34 @@ def test_gguf_loads_dequantized_to_float16(smollm2):
     for name, weight in from_gguf.module.named_parameters():
         assert weight.dtype == torch.float16
         assert torch.equal(weight, reference[name].half()), name
+
+
+PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+
+
+def test_perplexity_of_quantized_pipelines(smollm2):
+    """fp32, int8, int4 g32 asymmetric (float and 4-bit zero points) and int4 g128 symmetric on a fixed
+    English text of >= 2,000 tokens; bounds on int8 and int4 g32 asymmetric."""
+    loaded, base = compile_program(smollm2, build_pipeline(all_logits=True))
+    ids = tokenizer_of(loaded).encode(PERPLEXITY_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
+    assert len(ids) >= 2000
+    results = {}
+    for quant in ("none", "q8", "q4g32", "q4g32-zp4", "q4g128-sym"):
+        options = parse_quant(quant)
+        program = copy.deepcopy(base)
+        if options is not None:
+            program = run_pipeline(program, [("quantize_weights", options)])
+        executor = TorchExecutor(program, max_batch=1, max_context=512)
+        results[quant] = (perplexity(executor.prompt_logits, ids, window=512, stride=256), program)
+    for quant, (result, program) in results.items():
+        stats = program.history[-1].stats
+        ratio = stats.get("quantized_weight_bytes_after", 0) / stats.get("quantized_weight_bytes_before", 1)
+        print(
+            f"{quant:<11} perplexity {result.perplexity:7.3f} over {result.tokens} tokens, "
+            f"quantized linears at {ratio:.3f}x their fp32 bytes"
+        )
+    fp32 = results["none"][0].perplexity
+    assert results["q8"][0].perplexity <= fp32 * 1.01
+    assert results["q4g32"][0].perplexity <= fp32 * 1.05
+    q4_stats = results["q4g32"][1].history[-1].stats
+    assert q4_stats["quantized_weight_bytes_after"] <= 0.3 * q4_stats["quantized_weight_bytes_before"]

@@ -6,12 +6,14 @@ gathers the step's cache rows (up to the longest sequence), runs the graph, and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from ...errors import GenerationError
 from ...ir.program import INPUT_IDS, INPUT_LENS, LOGITS, PAST_LENS, POSITION_IDS, Program
-from ...runtime.executor import Executor, StepBatch, pad_batch
+from ...runtime.executor import Executor, PaddedBatch, StepBatch, pad_batch
 
 
 class TorchExecutor(Executor):
@@ -29,25 +31,36 @@ class TorchExecutor(Executor):
             if t.shape[2:3] == ("context",)
         }
 
+    def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        if self.program.outputs[self.program.output_names.index(LOGITS)].shape[1] == 1:
+            raise GenerationError("this program computes last-token logits only; compile without last_token_logits")
+        outputs = self._run([0], pad_batch(StepBatch([0], [tokens], [0])))
+        return outputs[LOGITS][0].float().numpy()
+
     def step(self, batch: StepBatch) -> np.ndarray:
         padded = pad_batch(batch)
+        outputs = self._run(batch.slots, padded)
+        logits = outputs[LOGITS]
+        if logits.shape[1] > 1:  # every position's logits: pick each sequence's last new token
+            logits = logits[torch.arange(len(batch.slots)), torch.from_numpy(padded.input_lens) - 1]
+        else:
+            logits = logits[:, 0]
+        return logits.float().numpy()
+
+    def _run(self, slots: Sequence[int], padded: PaddedBatch) -> dict[str, torch.Tensor]:
+        """Run the graph on the step's cache rows (up to the longest sequence) and store the rows back."""
         used = int((padded.past_lens + padded.input_lens).max())
         if used > self.max_context:
             raise GenerationError(f"step needs {used} cache positions; the executor holds {self.max_context}")
-        slots = torch.as_tensor(list(batch.slots))
+        rows = torch.as_tensor(list(slots))
         inputs = {
             INPUT_IDS: torch.from_numpy(padded.input_ids),
             POSITION_IDS: torch.from_numpy(padded.position_ids),
             PAST_LENS: torch.from_numpy(padded.past_lens),
             INPUT_LENS: torch.from_numpy(padded.input_lens),
         }
-        inputs.update({name: cache[slots, :, :used] for name, cache in self.caches.items()})
+        inputs.update({name: cache[rows, :, :used] for name, cache in self.caches.items()})
         outputs = self.program(**inputs)
         for name, cache in self.caches.items():
-            cache[slots, :, :used] = outputs[name]
-        logits = outputs[LOGITS]
-        if logits.shape[1] > 1:  # every position's logits: pick each sequence's last new token
-            logits = logits[torch.arange(len(slots)), torch.from_numpy(padded.input_lens) - 1]
-        else:
-            logits = logits[:, 0]
-        return logits.float().numpy()
+            cache[rows, :, :used] = outputs[name]
+        return outputs
