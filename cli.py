@@ -124,6 +124,10 @@ def _perplexity(args: argparse.Namespace) -> int:
         names = ", ".join(r.name for r in program.history)
         print(f"perplexity {result.perplexity:.3f} over {result.tokens} tokens ({names})")
         print(f"weights {report['weight_bytes'] / 2**20:.1f} MiB")
+        quant = program.history[-1].stats if program.history[-1].name == "quantize_weights" else None
+        if quant is not None:
+            before, after = quant["quantized_weight_bytes_before"], quant["quantized_weight_bytes_after"]
+            print(f"quantized weights {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB ({after / before:.3f}x)")
     return 0
 
 
