@@ -10,8 +10,8 @@ import torch.fx
 
 from ..ir.norms import ADD_RMS_NORM, RMS_NORM
 from ..ir.program import Program
-from .graph_utils import finish
-from .patterns import find, is_constant, last_dim, replace
+from .graph_utils import finish, replace_uses
+from .patterns import find, is_constant, last_dim
 from .registry import Pass, register_pass
 
 aten = torch.ops.aten
@@ -62,7 +62,7 @@ def _fuse_rms_norms(gm: torch.fx.GraphModule) -> int:
             eps = float(match.node(aten.add.Tensor).args[1])
             with gm.graph.inserting_before(match.outputs[0]):
                 node = gm.graph.call_function(RMS_NORM.overload, (x, weight, eps))
-            replace(match.outputs, [node])
+            replace_uses(match.outputs, [node])
             fused += 1
         gm.graph.eliminate_dead_code()  # the next pattern must not see the replaced nodes
     return fused
@@ -82,7 +82,7 @@ def _fuse_residual_adds(gm: torch.fx.GraphModule) -> int:
             call = gm.graph.call_function(ADD_RMS_NORM.overload, (x, residual, weight, eps))
             normed = gm.graph.call_function(operator.getitem, (call, 0))
             total = gm.graph.call_function(operator.getitem, (call, 1))
-        replace(match.outputs, [normed, total])
+        replace_uses(match.outputs, [normed, total])
         fused += 1
     return fused
 

@@ -12,7 +12,7 @@ import torch.fx
 
 from ..ir.program import Program, fetch_attr
 from ..ir.silu_mul import SILU_MUL
-from .graph_utils import finish
+from .graph_utils import finish, replace_uses
 from .patterns import is_constant
 from .registry import Pass, register_pass
 
@@ -72,15 +72,13 @@ def _fuse_group(gm: torch.fx.GraphModule, linears: list[torch.fx.Node]) -> bool:
         mul = roles[2]
         with graph.inserting_before(mul):
             swiglu = graph.call_function(SILU_MUL.overload, (fused,))
-        swiglu.meta.update({k: v for k, v in mul.meta.items() if k == "val"})
-        mul.replace_all_uses_with(swiglu)
+        replace_uses([mul], [swiglu])
         return True
     start = 0
     for node, weight in zip(linears, weights, strict=True):
         with graph.inserting_before(node):
             piece = graph.call_function(aten.slice.Tensor, (fused, -1, start, start + weight.shape[0]))
-        piece.meta.update({k: v for k, v in node.meta.items() if k == "val"})
-        node.replace_all_uses_with(piece)
+        replace_uses([node], [piece])
         start += weight.shape[0]
     return False
 

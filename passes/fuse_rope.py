@@ -8,8 +8,8 @@ import torch
 
 from ..ir.program import Program
 from ..ir.rope import ROPE
-from .graph_utils import finish
-from .patterns import find, last_dim, replace
+from .graph_utils import finish, replace_uses
+from .patterns import find, last_dim
 from .registry import Pass, register_pass
 
 aten = torch.ops.aten
@@ -42,7 +42,7 @@ def fuse_rope(program: Program) -> tuple[Program, dict[str, Any]]:
             continue
         with gm.graph.inserting_before(match.outputs[0]):
             node = gm.graph.call_function(ROPE.overload, (x, cos, sin))
-        replace(match.outputs, [node])
+        replace_uses(match.outputs, [node])
         fused += 1
     finish(gm)
     return program, {"rope": fused}

@@ -55,3 +55,11 @@ def lm_head(gm: torch.fx.GraphModule, logits: torch.fx.Node, heads: set) -> torc
             return None
         node = inputs[0]
     return None
+
+
+def replace_uses(old: list[torch.fx.Node], new: list[torch.fx.Node]) -> None:
+    """Point every user of each old node at its replacement, which takes over its shape metadata."""
+    for before, after in zip(old, new, strict=True):
+        if "val" in before.meta:
+            after.meta["val"] = before.meta["val"]
+        before.replace_all_uses_with(after)

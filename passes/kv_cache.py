@@ -19,7 +19,7 @@ import torch.fx
 from ..errors import PassError
 from ..ir.attention import ATTENTION
 from ..ir.program import INPUT_LENS, PAST_LENS, Program, TensorSpec, cache_names
-from .graph_utils import finish, tensor_meta
+from .graph_utils import finish, replace_uses, tensor_meta
 from .registry import Pass, register_pass
 
 aten = torch.ops.aten
@@ -121,7 +121,7 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
                 ),
             )
             results = [graph.call_function(operator.getitem, (call, i)) for i in range(3)]
-        site.replace_all_uses_with(results[0])
+        replace_uses([site], [results[0]])
         graph.erase_node(site)
         new_outputs += results[1:]
         output_specs += [

@@ -67,11 +67,3 @@ def last_dim(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int | None:
     """Size of a node's last dimension: from the weight itself for get_attr, else from shape metadata."""
     value = fetch_attr(gm, node.target) if node.op == "get_attr" else tensor_meta(node)
     return int(value.shape[-1]) if isinstance(value, torch.Tensor) else None
-
-
-def replace(outputs: list[torch.fx.Node], replacements: list[torch.fx.Node]) -> None:
-    """Point every user of each matched output at its replacement; copies shape metadata across."""
-    for old, new in zip(outputs, replacements, strict=True):
-        if "val" in old.meta:
-            new.meta["val"] = old.meta["val"]
-        old.replace_all_uses_with(new)

@@ -19,7 +19,7 @@ from ..errors import PassError
 from ..ir.program import LOGITS, Program, fetch_attr
 from ..ir.qlinear import QEMBEDDING, QLINEAR
 from ..ir.quant import QuantizedWeight, QuantScheme, quantize
-from .graph_utils import finish, lm_head, output_node_for
+from .graph_utils import finish, lm_head, output_node_for, replace_uses
 from .patterns import is_constant
 from .registry import Pass, register_pass
 
@@ -83,8 +83,7 @@ def _scheme(bits: int, group: int, symmetric: bool, packed_zeros: bool) -> Quant
 def _swap(graph: torch.fx.Graph, node: torch.fx.Node, op: Any, args: tuple) -> None:
     with graph.inserting_before(node):
         new = graph.call_function(op, args)
-    new.meta.update({k: v for k, v in node.meta.items() if k == "val"})
-    node.replace_all_uses_with(new)
+    replace_uses([node], [new])
 
 
 def quantize_weights(
