@@ -1,0 +1,47 @@
+"""Program -> ONNX model: torch.onnx.export (dynamo) of the re-exported graph with the op set's lowerings."""
+
+from __future__ import annotations
+
+import onnx
+import torch
+
+from ...errors import LlmlowerError
+from ...ir import OPS
+from ...ir.program import Program
+from .lowerings import translations
+
+PRESENT = "present_"
+MAX_IR_VERSION = 10  # what the onnxruntime builds we support load (they accept up to 13 at most)
+
+
+class LoweringError(LlmlowerError):
+    """A node of the program has no ONNX lowering."""
+
+
+def check_lowerable(program: Program) -> None:
+    """Fail before exporting when an op of the set has no ONNX lowering, naming the node."""
+    ours = {opdef.overload for opdef in OPS.values()}
+    lowered = translations()
+    for node in program.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target in ours and node.target not in lowered:
+            raise LoweringError(f"the ONNX backend cannot lower node {node.name} (op {node.target})")
+
+
+def output_name(name: str, input_names: list[str]) -> str:
+    """ONNX names each value once: an updated cache (same name as its input in the Program) becomes
+    present_<name>, as ONNX Runtime's own models name present key/values."""
+    return f"{PRESENT}{name}" if name in input_names else name
+
+
+def to_onnx(program: Program, accuracy_level: int = 4) -> onnx.ModelProto:
+    """The program as an ONNX model whose inputs and outputs carry the program's names; `accuracy_level`
+    is MatMulNBits' (see lowerings.qlinear_lowering)."""
+    check_lowerable(program)
+    exported = program.export()
+    table = translations(accuracy_level)
+    onnx_program = torch.onnx.export(exported, custom_translation_table=table, dynamo=True, verbose=False)
+    for value, spec in zip(onnx_program.model.graph.outputs, program.outputs, strict=True):
+        value.name = output_name(spec.name, program.input_names)
+    model = onnx_program.model_proto
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    return model

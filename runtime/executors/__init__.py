@@ -1,0 +1,1 @@
+"""Executors that need only their backend's runtime library (no torch)."""
