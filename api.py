@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .backends.torch import TorchExecutor
+from .errors import LlmlowerError
 from .frontend import LoadedModel, capture, load, resolve_model
 from .ir import Program
 from .passes import DEFAULT_PIPELINE, run_pipeline
@@ -41,6 +42,25 @@ def load_engine(
     loaded, program = compile_program(model, pipeline, dtype=dtype, verify=verify)
     executor = TorchExecutor(program, max_batch=max_batch, max_context=max_context)
     return Engine(executor, tokenizer_of(loaded), program.spec)
+
+
+def compile_artifact(
+    model: str | Path,
+    output: str | Path,
+    pipeline: Sequence[PassSpec] = DEFAULT_PIPELINE,
+    *,
+    backend: str = "onnx",
+    target: str = "cpu",
+    dtype: str = "float32",
+    verify: bool = False,
+) -> Path:
+    """Compile MODEL into a deployable artifact directory at `output` (written atomically)."""
+    if backend != "onnx":
+        raise LlmlowerError(f"--backend {backend!r}: available backends are onnx (torch runs without compiling)")
+    from .backends.onnx.artifact import build
+
+    loaded, program = compile_program(model, pipeline, dtype=dtype, verify=verify)
+    return build(program, output, target=target, write_extra=loaded.tokenizer.write)
 
 
 def tokenizer_of(loaded: LoadedModel) -> Tokenizer:

@@ -12,7 +12,7 @@ from rich.console import Console
 from . import progress
 from .errors import LlmlowerError
 
-MODEL_HELP = "a checkpoint directory, a .gguf file, or 'example' (SmolLM2-135M-Instruct)"
+MODEL_HELP = "a checkpoint directory, a .gguf file, 'example' (SmolLM2-135M-Instruct) or (generate) an artifact"
 
 
 class RichReporter:
@@ -42,11 +42,18 @@ def _pipeline(args: argparse.Namespace, all_logits: bool = False) -> list:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .api import load_engine
+    from .runtime.artifact import is_artifact
 
-    engine = load_engine(
-        args.model, _pipeline(args), dtype=args.dtype, max_batch=1, max_context=args.max_context, verify=args.verify
-    )
+    if is_artifact(args.model):  # a compiled artifact runs without torch
+        from .runtime import Engine
+
+        engine = Engine.load(args.model, max_batch=1, max_context=args.max_context)
+    else:
+        from .api import load_engine
+
+        engine = load_engine(
+            args.model, _pipeline(args), dtype=args.dtype, max_batch=1, max_context=args.max_context, verify=args.verify
+        )
     result = engine.generate([args.prompt], max_tokens=args.max_tokens, chat=not args.raw)[0]
     if args.json:
         payload: dict[str, Any] = {
@@ -101,6 +108,28 @@ def _inspect(args: argparse.Namespace) -> int:
     console.print(f"KV cache: {kv['bytes_per_token']:,} bytes per token = {kv['formula']}")
     total = f"{kv['bytes']:,} bytes ({kv['bytes'] / 2**20:.1f} MiB)"
     console.print(f"          {total} for context {args.context} x batch {args.batch}")
+    return 0
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from .api import compile_artifact
+    from .runtime.artifact import read_manifest
+
+    out = compile_artifact(
+        args.model,
+        args.output,
+        _pipeline(args),
+        backend=args.backend,
+        target=args.target,
+        dtype=args.dtype,
+        verify=args.verify,
+    )
+    manifest = read_manifest(out, verify=False)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    console = Console()
+    console.print(f"[bold]{out}[/bold]: {size / 2**20:.1f} MiB, {manifest['backend']} / {manifest['target']}")
+    console.print("pipeline: " + ", ".join(step["name"] for step in manifest["pipeline"]), highlight=False)
+    console.print(f'run it:   llmlower generate {out} --prompt "Hello"', highlight=False)
     return 0
 
 
@@ -172,6 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
     _add_pipeline_options(gen)
     gen.set_defaults(run=_generate)
+
+    comp = sub.add_parser("compile", help="compile a model into a deployable artifact directory")
+    comp.add_argument("model", help=MODEL_HELP)
+    comp.add_argument("-o", "--output", required=True, help="the artifact directory to write")
+    comp.add_argument("--backend", default="onnx", choices=["onnx"], help="onnx: ONNX Runtime")
+    comp.add_argument("--target", default="cpu", choices=["cpu", "cuda"])
+    comp.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
+    _add_pipeline_options(comp)
+    comp.set_defaults(run=_compile)
 
     ppl = sub.add_parser("perplexity", help="sliding-window perplexity of a text file under a pipeline")
     ppl.add_argument("model", help=MODEL_HELP)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import GenerationError
 from ..spec import ModelSpec
+from .artifact import MANIFEST, ArtifactError, read_manifest
 from .executor import Executor, StepBatch
 from .tokenizer import Message, Tokenizer
 
@@ -57,6 +59,21 @@ class Engine:
         self.tokenizer = tokenizer
         self.spec = spec
         self.eos_token_ids = frozenset(spec.eos_token_ids)
+
+    @classmethod
+    def load(cls, artifact: str | Path, max_batch: int = 4, max_context: int | None = 2048, threads: int = 0) -> Engine:
+        """An Engine on a compiled artifact; needs only numpy, tokenizers, jinja2 and the backend's runtime."""
+        artifact = Path(artifact)
+        manifest = read_manifest(artifact)
+        spec = ModelSpec.from_dict(manifest["spec"])
+        context = min(max_context or spec.max_positions, spec.max_positions)
+        if manifest.get("backend") != "onnx":
+            raise ArtifactError(f"{artifact / MANIFEST}: backend {manifest.get('backend')!r} has no executor here")
+        from .executors.onnx import OnnxExecutor
+
+        model = str(artifact / manifest["entry_points"]["step"]["file"])
+        executor = OnnxExecutor(model, max_batch, context, providers=manifest["providers"], threads=threads)
+        return cls(executor, Tokenizer.from_dir(artifact), spec)
 
     def prompt_token_ids(self, prompt: Prompt, chat: bool = True) -> list[int]:
         """Token ids of a prompt: a string through the chat template (unless chat=False), or a conversation."""

@@ -1,0 +1,69 @@
+"""Build an ONNX Runtime artifact: model.onnx + model.onnx.data (external weights) + manifest.json."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+
+from ... import __version__
+from ...errors import LlmlowerError
+from ...ir.program import Program
+from ...progress import stage
+from ...runtime.artifact import write_artifact
+from .export import to_onnx
+
+MODEL_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+def build(
+    program: Program,
+    directory: str | Path,
+    target: str = "cpu",
+    accuracy_level: int = 4,
+    write_extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Lower `program`, write it (and whatever `write_extra` adds, e.g. tokenizer files) as an artifact."""
+    if target not in PROVIDERS:
+        raise LlmlowerError(f"--target {target!r}: the onnx backend builds for {', '.join(PROVIDERS)}")
+    if not program.has_kv_cache:
+        raise LlmlowerError("the onnx backend needs a program with a KV cache (the kv_cache pass)")
+    with stage("lower to ONNX (torch.onnx.export)"):
+        model = to_onnx(program, accuracy_level=accuracy_level)
+
+    def write(staging: Path) -> None:
+        with stage("write model.onnx and its weights"):
+            onnx.save(model, staging / MODEL_FILE, save_as_external_data=True, location=WEIGHTS_FILE)
+        if write_extra is not None:
+            write_extra(staging)
+
+    spec = program.spec
+    manifest = {
+        "toolkit_version": __version__,
+        "backend": "onnx",
+        "target": target,
+        "providers": PROVIDERS[target],
+        "dtype": spec.dtype,
+        "spec": spec.to_dict(),
+        "pipeline": [
+            {"name": r.name, "options": r.options, "stats": r.stats, "seconds": r.seconds} for r in program.history
+        ],
+        "kv_layout": {
+            "kind": "contiguous",
+            "shape": ["batch", "kv_heads", "context", "head_dim"],
+            "layers": spec.num_layers,
+            "kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+        },
+        "entry_points": {
+            "step": {
+                "file": MODEL_FILE,
+                "inputs": [t.to_dict() for t in program.inputs],
+                "outputs": [t.to_dict() for t in program.outputs],
+            }
+        },
+        "onnx": {"ir_version": model.ir_version, "accuracy_level": accuracy_level},
+    }
+    return write_artifact(directory, write, manifest)

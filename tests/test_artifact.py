@@ -1,0 +1,98 @@
+"""Artifacts: `llmlower compile` writes a hashed, self-describing directory that runs without torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from llmlower.cli import main
+from llmlower.runtime import Engine
+from llmlower.runtime.artifact import FORMAT_VERSION, ArtifactError
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-llama-onnx"
+    assert main(["compile", str(tiny_llama), "-o", str(out), "--backend", "onnx", "--target", "cpu"]) == 0
+    return out
+
+
+def test_manifest_describes_the_artifact(artifact):
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["format_version"] == FORMAT_VERSION
+    assert (manifest["backend"], manifest["target"], manifest["dtype"]) == ("onnx", "cpu", "float32")
+    assert manifest["spec"]["num_kv_heads"] == 2
+    assert [p["name"] for p in manifest["pipeline"]][-2:] == ["kv_cache", "last_token_logits"]
+    assert manifest["kv_layout"]["shape"] == ["batch", "kv_heads", "context", "head_dim"]
+    step = manifest["entry_points"]["step"]
+    assert [t["name"] for t in step["inputs"]][:4] == ["input_ids", "position_ids", "past_lens", "input_lens"]
+    assert set(manifest["files"]) == {"model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json"}
+    assert all(len(digest) == 64 for digest in manifest["files"].values())
+
+
+def test_generate_runs_an_artifact_as_it_runs_the_checkpoint(artifact, tiny_llama, capsys):
+    args = ["--prompt", "Hello there", "--max-tokens", "8", "--json"]
+    assert main(["generate", str(artifact), *args]) == 0
+    from_artifact = json.loads(capsys.readouterr().out)
+    assert main(["generate", str(tiny_llama), *args]) == 0
+    from_checkpoint = json.loads(capsys.readouterr().out)
+    assert from_artifact["token_ids"] == from_checkpoint["token_ids"]
+    assert from_artifact["prompt_token_ids"] == from_checkpoint["prompt_token_ids"]
+
+
+def test_engine_load_needs_neither_torch_nor_transformers(artifact):
+    expected = Engine.load(artifact).generate(["The quick brown fox"], max_tokens=6, chat=False)[0].token_ids
+    script = textwrap.dedent(
+        f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "transformers"):
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        from llmlower.runtime import Engine
+        engine = Engine.load({str(artifact)!r})
+        print(engine.generate(["The quick brown fox"], max_tokens=6, chat=False)[0].token_ids)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(expected)
+
+
+def test_a_corrupted_file_is_named(artifact, tmp_path, capsys):
+    import shutil
+
+    copy = shutil.copytree(artifact, tmp_path / "copy")
+    weights = copy / "model.onnx.data"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"model\.onnx\.data: sha256 does not match"):
+        Engine.load(copy)
+    assert main(["generate", str(copy), "--prompt", "x"]) != 0
+    err = capsys.readouterr().err
+    assert "model.onnx.data" in err and "Traceback" not in err
+
+
+def test_another_format_version_is_refused(artifact, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(artifact, tmp_path / "copy")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["format_version"] = FORMAT_VERSION + 1
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="format_version 2; this llmlower reads version 1"):
+        Engine.load(copy)
+
+
+def test_a_failed_compile_leaves_nothing_behind(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "gpt2-artifact"
+    args = ["compile", str(tiny_checkpoints["gpt2"]), "-o", str(out), "--quant", "q8", "--quant-embedding"]
+    assert main(args) != 0  # qembedding has no ONNX lowering yet
+    assert "cannot lower node" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
