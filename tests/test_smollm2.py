@@ -10,10 +10,11 @@ import pytest
 import torch
 import transformers
 
-from llmlower.api import compile_program, load_engine, tokenizer_of
+from llmlower.api import compile_artifact, compile_program, load_engine, tokenizer_of
 from llmlower.backends.torch import TorchExecutor
 from llmlower.frontend import example_gguf, load
 from llmlower.passes import build_pipeline, parse_quant, run_pipeline
+from llmlower.runtime import Engine
 from llmlower.runtime.perplexity import perplexity
 
 PROMPTS = [
@@ -83,3 +84,11 @@ def test_perplexity_of_quantized_pipelines(smollm2):
     assert results["q4g32"][0].perplexity <= fp32 * 1.05
     q4_stats = results["q4g32"][1].history[-1].stats
     assert q4_stats["quantized_weight_bytes_after"] <= 0.3 * q4_stats["quantized_weight_bytes_before"]
+
+
+def test_onnx_artifact_greedy_equals_the_torch_reference(smollm2, tmp_path):
+    out = compile_artifact(smollm2, tmp_path / "smollm2-onnx-fp32")
+    from_artifact = Engine.load(out, max_batch=3, max_context=256).generate(PROMPTS, max_tokens=32)
+    reference = load_engine(smollm2, max_batch=3, max_context=256).generate(PROMPTS, max_tokens=32)
+    for prompt, ours, expected in zip(PROMPTS, from_artifact, reference, strict=True):
+        assert ours.token_ids == expected.token_ids, prompt
