@@ -4,6 +4,9 @@ checkpoint directories with a small byte-level BPE tokenizer) and the real SmolL
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -97,3 +100,24 @@ def smollm2() -> Path:
     from llmlower.frontend import example_checkpoint
 
     return example_checkpoint()
+
+
+_BLOCK_TORCH = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def run_without_torch(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter where importing torch or transformers raises (a deployment host)."""
+    script = _BLOCK_TORCH + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+
+
+@pytest.fixture()
+def without_torch():
+    return run_without_torch
