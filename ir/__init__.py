@@ -3,6 +3,7 @@
 from .attention import ATTENTION
 from .norms import ADD_RMS_NORM, RMS_NORM
 from .program import Program, TensorSpec
+from .qkv_attention import QKV_ATTENTION
 from .qlinear import QEMBEDDING, QLINEAR
 from .registry import OPS, Cost, OpDef, op_of, register_op
 from .rope import ROPE
@@ -13,6 +14,7 @@ __all__ = [
     "ATTENTION",
     "OPS",
     "QEMBEDDING",
+    "QKV_ATTENTION",
     "QLINEAR",
     "RMS_NORM",
     "ROPE",

@@ -14,7 +14,9 @@ scale), 0, 15), zero = -min / scale. A checkpoint that was Q4_1 (as the example 
 Asymmetric, 4-bit zero points: lo = min(w, 0), hi = max(w, 0), scale = (hi - lo) / 15,
 zero = clamp(round(-lo / scale), 0, 15), q = clamp(round(w / scale) + zero, 0, 15). Rounding the zero point
 to an integer shifts each group by up to scale / 2: on the Q4_1 example this costs +25% perplexity.
-int8 is per output channel and symmetric: qweight int8 [N, K], scales [N, 1], scale = max|w| / 127.
+int8 is grouped and symmetric in the same layout, one value per byte: qweight uint8 [N, blocks, group],
+scales [N, blocks], scale = max|w| / 127, q = clamp(round(w / scale), -127, 127) + 128 (llama.cpp's Q8_0
+for group 32, which a Q8_0 tensor is reproduced exactly by).
 """
 
 from __future__ import annotations
@@ -27,27 +29,27 @@ import torch
 @dataclass(frozen=True)
 class QuantScheme:
     """bits 4 with a group size (symmetric, or asymmetric with float or packed 4-bit zero points), or
-    bits 8 per channel (group 0)."""
+    bits 8 with a group size (symmetric)."""
 
     bits: int
-    group: int = 0
+    group: int = 32
     symmetric: bool = True
     packed_zeros: bool = False
 
     def __post_init__(self) -> None:
-        if self.bits == 4 and self.group not in (16, 32, 64, 128, 256):
-            raise ValueError(f"int4 needs a group size of 16, 32, 64, 128 or 256, got {self.group}")
-        if self.bits == 8 and (self.group != 0 or not self.symmetric):
-            raise ValueError("int8 is per output channel (group 0) and symmetric")
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.group not in (16, 32, 64, 128, 256):
+            raise ValueError(f"int{self.bits} needs a group size of 16, 32, 64, 128 or 256, got {self.group}")
+        if self.bits == 8 and not self.symmetric:
+            raise ValueError("int8 is symmetric")
         if self.packed_zeros and self.symmetric:
             raise ValueError("packed zero points are for asymmetric int4")
 
     @property
     def name(self) -> str:
         if self.bits == 8:
-            return "q8"
+            return "q8" if self.group == 32 else f"q8g{self.group}"
         return f"q4g{self.group}" + ("-sym" if self.symmetric else "-zp4" if self.packed_zeros else "")
 
 
@@ -76,20 +78,17 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
     """Quantize a linear weight [N, K] (any float dtype; the math runs in float32)."""
     out_features, in_features = weight.shape
-    w = weight.float()
-    if scheme.bits == 8:
-        scales = w.abs().amax(dim=1, keepdim=True) / 127
-        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-        q = torch.clamp(torch.round(w / scales), -127, 127).to(torch.int8)
-        return QuantizedWeight(q, scales.to(weight.dtype), None, in_features)
-
     group = scheme.group
     blocks = -(-in_features // group)
-    w = torch.nn.functional.pad(w, (0, blocks * group - in_features)).reshape(out_features, blocks, group)
+    w = torch.nn.functional.pad(weight.float(), (0, blocks * group - in_features))
+    w = w.reshape(out_features, blocks, group)
     if scheme.symmetric:
-        scales = w.abs().amax(dim=-1) / 7
+        top = 2 ** (scheme.bits - 1) - 1  # 7 or 127
+        scales = w.abs().amax(dim=-1) / top
         scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-        q = torch.clamp(torch.round(w / scales[..., None]), -8, 7) + 8
+        q = torch.clamp(torch.round(w / scales[..., None]), -top - (scheme.bits == 4), top) + top + 1
+        if scheme.bits == 8:
+            return QuantizedWeight(q.to(torch.uint8), scales.to(weight.dtype), None, in_features)
         zeros = None
     elif not scheme.packed_zeros:
         lo = w.amin(dim=-1)
@@ -113,12 +112,10 @@ def dequantize(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, in_features: int
 ) -> torch.Tensor:
     """The float32 weight [N, K] a quantized weight stands for."""
-    if bits == 8:
-        return qweight.float() * scales.float()
     out_features, blocks, _ = qweight.shape
-    q = unpack_nibbles(qweight).float()  # [N, blocks, group]
+    q = (unpack_nibbles(qweight) if bits == 4 else qweight).float()  # [N, blocks, group]
     if zeros is None:
-        zero = torch.full((out_features, blocks), 8.0)
+        zero = torch.full((out_features, blocks), 2.0 ** (bits - 1))
     elif zeros.dtype == torch.uint8:
         zero = unpack_nibbles(zeros)[:, :blocks].float()
     else:

@@ -4,6 +4,7 @@ from . import (  # noqa: F401  (registration)
     canonicalize,
     fuse_norms,
     fuse_projections,
+    fuse_qkv_attention,
     fuse_rope,
     kv_cache,
     last_token_logits,

@@ -11,18 +11,20 @@ from .manager import PassSpec
 from .registry import PASSES
 
 FUSION: tuple[str, ...] = ("fuse_norms", "fuse_rope", "fuse_projections")
-DEFAULT_PIPELINE: tuple[str, ...] = ("canonicalize", *FUSION, "kv_cache", "last_token_logits")
-QUANT_NAMES = "none, q8, q4g32, q4g64, q4g128 (asymmetric; -zp4: 4-bit zero points; -sym: symmetric)"
-_QUANT = re.compile(r"q4g(32|64|128)(-sym|-zp4)?")
+DEFAULT_PIPELINE: tuple[str, ...] = ("canonicalize", *FUSION, "kv_cache", "fuse_qkv_attention", "last_token_logits")
+QUANT_NAMES = "none, q8, q8g64, q8g128, q4g32, q4g64, q4g128 (asymmetric; -zp4: 4-bit zero points; -sym: symmetric)"
+_INT8 = re.compile(r"q8(?:g(32|64|128))?")
+_INT4 = re.compile(r"q4g(32|64|128)(-sym|-zp4)?")
 
 
 def parse_quant(name: str) -> dict[str, Any] | None:
     """quantize_weights options for a short name; None for 'none'."""
     if name == "none":
         return None
-    if name == "q8":
-        return {"bits": 8}
-    match = _QUANT.fullmatch(name)
+    match = _INT8.fullmatch(name)
+    if match is not None:
+        return {"bits": 8, "group": int(match.group(1) or 32)}
+    match = _INT4.fullmatch(name)
     if match is None:
         raise PassError(f"--quant {name!r}: expected one of {QUANT_NAMES}")
     variant = match.group(2)

@@ -1,4 +1,4 @@
-"""quantize_weights: weight-only int8 (per channel) or int4 (grouped) for linears, optionally embeddings.
+"""quantize_weights: weight-only int8 or int4 (grouped) for linears, optionally embeddings.
 
 Every aten.linear (or Conv1D addmm) with a constant weight becomes `qlinear` over the weight in the
 format of ir/quant.py, except the LM head with keep_lm_head, the embedding unless quantize_embedding, and
@@ -76,8 +76,8 @@ def _as_linear(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, Any, 
 
 
 def _scheme(bits: int, group: int, symmetric: bool, packed_zeros: bool) -> QuantScheme:
-    """int8 ignores the group and zero-point options (per channel, symmetric)."""
-    return QuantScheme(bits, group, symmetric, packed_zeros) if bits == 4 else QuantScheme(bits)
+    """int8 ignores the zero-point options (it is symmetric)."""
+    return QuantScheme(bits, group, symmetric, packed_zeros) if bits == 4 else QuantScheme(bits, group)
 
 
 def _swap(graph: torch.fx.Graph, node: torch.fx.Node, op: Any, args: tuple) -> None:
@@ -157,10 +157,10 @@ def _tolerance(options: dict[str, Any]) -> float:
 register_pass(
     Pass(
         name="quantize_weights",
-        summary="weight-only int8 (per channel) / int4 (group 32-128, sym or asym) -> qlinear",
+        summary="weight-only int8 (sym) / int4 (sym or asym), groups of 32-128 -> qlinear",
         explain=(
-            "Replaces each aten.linear with a constant weight by llmlower::qlinear over int8 per-output-channel "
-            "weights (symmetric) or int4 weights in groups along the input dim (symmetric, zero point 8, or "
+            "Replaces each aten.linear with a constant weight by llmlower::qlinear over int8 weights (symmetric) "
+            "or int4 weights in groups along the input dim (symmetric, zero point 8, or "
             "asymmetric with float zero points, or with packed 4-bit ones), in ONNX Runtime MatMulNBits' "
             "layout. Options: bits, group, symmetric, packed_zeros, lm_head_bits (8 by default: the LM head "
             "in int8 under int4), keep_lm_head, "

@@ -50,7 +50,8 @@ def test_sliding_windows_score_each_token_once():
 
 def test_quant_short_names():
     assert parse_quant("none") is None
-    assert parse_quant("q8") == {"bits": 8}
+    assert parse_quant("q8") == {"bits": 8, "group": 32}
+    assert parse_quant("q8g128") == {"bits": 8, "group": 128}
     assert parse_quant("q4g32") == {"bits": 4, "group": 32, "symmetric": False}
     assert parse_quant("q4g128-sym") == {"bits": 4, "group": 128, "symmetric": True}
     assert parse_quant("q4g64-zp4") == {"bits": 4, "group": 64, "symmetric": False, "packed_zeros": True}

@@ -19,7 +19,8 @@ from llmlower.ir.quant import QuantScheme, dequantize, quantize
 from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
 
 SCHEMES = [
-    QuantScheme(8),
+    QuantScheme(8, 32),
+    QuantScheme(8, 128),
     QuantScheme(4, 32, symmetric=False),
     QuantScheme(4, 64, symmetric=False, packed_zeros=True),
     QuantScheme(4, 64, symmetric=True),
@@ -31,7 +32,7 @@ def reference_dequantized(weight: np.ndarray, scheme: QuantScheme) -> np.ndarray
     """Quantize and dequantize one group at a time, as the format's docstring spells it (float32 math; the
     input dim zero-padded to whole groups)."""
     rows, cols = weight.shape
-    group = cols if scheme.bits == 8 else scheme.group
+    group = scheme.group
     weight = np.pad(weight.astype(np.float32), ((0, 0), (0, -cols % group)))
     out = np.zeros_like(weight)
     for r in range(rows):
@@ -69,14 +70,14 @@ def test_dequantized_weights_match_reference_bit_for_bit(scheme, cols):
     np.testing.assert_array_equal(ours.numpy(), reference_dequantized(weight.numpy(), scheme))
 
 
-@pytest.mark.parametrize("scheme", SCHEMES[1:], ids=lambda s: s.name)
-def test_int4_layout_is_what_onnxruntime_matmulnbits_reads(scheme):
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_layout_is_what_onnxruntime_matmulnbits_reads(scheme):
     rows, k, n = 5, 320, 48  # 320 / 128 = 2.5: a padded last block and an odd number of zero points
     gen = torch.Generator().manual_seed(1)
     weight, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
     packed = quantize(weight, scheme)
     blocks = packed.qweight.shape[1]
-    assert packed.qweight.shape == (n, blocks, scheme.group // 2) and packed.qweight.dtype == torch.uint8
+    assert packed.qweight.shape == (n, blocks, scheme.group * scheme.bits // 8) and packed.qweight.dtype == torch.uint8
     assert packed.scales.shape == (n, blocks)
     inputs = ["A", "B", "scales"] + ([] if packed.zeros is None else ["zero_points"])
     initializers = [
@@ -89,7 +90,7 @@ def test_int4_layout_is_what_onnxruntime_matmulnbits_reads(scheme):
         assert packed.zeros.dtype == (torch.uint8 if scheme.packed_zeros else packed.scales.dtype)
         initializers.append(numpy_helper.from_array(packed.zeros.numpy().reshape(-1), "zero_points"))
     node = helper.make_node(
-        "MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=scheme.group
+        "MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=scheme.bits, block_size=scheme.group
     )
     graph = helper.make_graph(
         [node],
@@ -104,7 +105,7 @@ def test_int4_layout_is_what_onnxruntime_matmulnbits_reads(scheme):
     onnx.checker.check_model(model)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     [actual] = session.run(None, {"A": x.numpy()})
-    expected = QLINEAR.op(x, packed.qweight, packed.scales, packed.zeros, None, 4, k)
+    expected = QLINEAR.op(x, packed.qweight, packed.scales, packed.zeros, None, scheme.bits, k)
     np.testing.assert_allclose(actual, expected.numpy(), rtol=1e-4, atol=1e-4)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import onnxscript
 from onnxscript import opset18 as op
 
-from ...ir import ADD_RMS_NORM, ATTENTION, QLINEAR, RMS_NORM, ROPE, SILU_MUL
+from ...ir import ADD_RMS_NORM, ATTENTION, QKV_ATTENTION, QLINEAR, RMS_NORM, ROPE, SILU_MUL
 from .schemas import ensure_schema
 
 MSFT = onnxscript.values.Opset("com.microsoft", 1)
@@ -27,24 +27,26 @@ def _heads_first_to_packed(x):
     return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1]))
 
 
+def _sequence_lengths(past_lens, input_lens):
+    """GroupQueryAttention's seqlens_k (each sequence's total length - 1, int32) and total_sequence_length."""
+    totals = op.Add(past_lens, input_lens)
+    seqlens_k = op.Cast(op.Sub(totals, op.Constant(value_int=1)), to=INT32)
+    return seqlens_k, op.Cast(op.ReduceMax(totals, keepdims=0), to=INT32)
+
+
 def attention(q, k, v, k_cache, v_cache, past_lens, input_lens, scale: float, window: int = 0):
     """GroupQueryAttention over the kv-heads cache. It takes right-padded prompts with no past, or steps
     in which every sequence brings the same number of tokens (decode)."""
     heads, head_dim = q.shape[1], q.shape[3]
-    kv_heads = k.shape[1]
-    totals = op.Add(past_lens, input_lens)
-    seqlens_k = op.Cast(op.Sub(totals, op.Constant(value_int=1)), to=INT32)
-    total_length = op.Cast(op.ReduceMax(totals, keepdims=0), to=INT32)
     out, k_present, v_present = MSFT.GroupQueryAttention(
         _heads_first_to_packed(q),
         _heads_first_to_packed(k),
         _heads_first_to_packed(v),
         k_cache,
         v_cache,
-        seqlens_k,
-        total_length,
+        *_sequence_lengths(past_lens, input_lens),
         num_heads=heads,
-        kv_num_heads=kv_heads,
+        kv_num_heads=k.shape[1],
         scale=scale,
         local_window_size=window if window > 0 else -1,
     )
@@ -52,6 +54,38 @@ def attention(q, k, v, k_cache, v_cache, past_lens, input_lens, scale: float, wi
     shape = op.Concat(batch_tokens, op.Constant(value_ints=[heads, head_dim]), axis=0)
     out = op.Transpose(op.Reshape(out, shape), perm=[0, 2, 1, 3])
     return out, k_present, v_present
+
+
+def qkv_attention(
+    qkv,
+    k_cache,
+    v_cache,
+    past_lens,
+    input_lens,
+    cos_table,
+    sin_table,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+    window: int = 0,
+):
+    """One GroupQueryAttention on the packed projection, rotating q and k itself (do_rotary): it derives each
+    token's position from the sequence lengths as the op does (past_lens + t)."""
+    return MSFT.GroupQueryAttention(
+        qkv,
+        None,
+        None,
+        k_cache,
+        v_cache,
+        *_sequence_lengths(past_lens, input_lens),
+        cos_table,
+        sin_table,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        scale=scale,
+        local_window_size=window if window > 0 else -1,
+        do_rotary=1,
+    )
 
 
 def rms_norm(x, weight, eps: float):
@@ -100,23 +134,18 @@ def qlinear_lowering(accuracy_level: int):
 
 
 def _qlinear(x, qweight, scales, zeros, bias, bits: int, in_features: int, accuracy_level: int):
-    """int4: MatMulNBits on the packed tensors as they are. Float zero points take MLAS' slow path (16x
-    slower than packed ones on this CPU), so (q - z) s is split into (q - 8) s, a symmetric MatMulNBits,
-    plus (8 - z) s times each group's sum of x: a [.., blocks] x [blocks, N] matmul. int8: dequantize per
-    channel, then MatMul."""
-    out_features = qweight.shape[0]
-    if bits == 8:
-        weight = op.Mul(op.CastLike(qweight, scales), scales)
-        y = op.MatMul(x, op.Transpose(weight, perm=[1, 0]))
-        return y if bias is None else op.Add(y, bias)
-    blocks, group = qweight.shape[1], qweight.shape[2] * 2
+    """MatMulNBits on the packed tensors as they are. Float zero points take MLAS' slow path (16x slower
+    than packed ones on this CPU), so (q - z) s is split into (q - 8) s, a symmetric MatMulNBits, plus
+    (8 - z) s times each group's sum of x: a [.., blocks] x [blocks, N] matmul."""
+    out_features, blocks = qweight.shape[0], qweight.shape[1]
+    group = qweight.shape[2] * 8 // bits
     flat = op.Constant(value_ints=[-1])
     inputs = [x, qweight, op.Reshape(scales, flat)]
     packed_zeros = zeros is not None and zeros.dtype == onnxscript.ir.DataType.UINT8
     if packed_zeros:
         inputs.append(op.Reshape(zeros, flat))
     y = MSFT.MatMulNBits(
-        *inputs, K=in_features, N=out_features, bits=4, block_size=group, accuracy_level=accuracy_level
+        *inputs, K=in_features, N=out_features, bits=bits, block_size=group, accuracy_level=accuracy_level
     )
     if zeros is not None and not packed_zeros:
         offsets = op.Mul(op.Sub(op.CastLike(op.Constant(value_float=8.0), zeros), zeros), scales)  # [N, blocks]
@@ -128,6 +157,7 @@ def translations(accuracy_level: int = 4) -> dict:
     """torch op -> onnxscript lowering, for torch.onnx.export's custom_translation_table."""
     return {
         ATTENTION.overload: attention,
+        QKV_ATTENTION.overload: qkv_attention,
         RMS_NORM.overload: rms_norm,
         ADD_RMS_NORM.overload: add_rms_norm,
         ROPE.overload: rope,

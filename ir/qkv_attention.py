@@ -1,0 +1,75 @@
+"""`qkv_attention`: `attention` fed straight from a fused q|k|v projection, rotary embedding applied inside.
+
+qkv is [batch, tokens, (heads + 2 kv_heads) * head_dim], the output of one projection (q, then k, then v);
+the op returns (out [batch, tokens, heads * head_dim], updated k_cache, updated v_cache), the layout the
+output projection reads. New token t of sequence b is rotated for position past_lens[b] + t with the rows
+of cos_table / sin_table [positions, head_dim / 2] (rotate_half layout: both halves of a head share them).
+This is what ONNX Runtime's GroupQueryAttention (packed qkv, do_rotary) and TVM's paged KV cache
+(attention with fused qkv) compute in one kernel; otherwise it is `rope` + `attention` (ir/attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import attention_cost
+from .registry import NAMESPACE, Cost, OpDef, register_op
+from .rope import rope_cost
+
+
+@torch.library.custom_op(f"{NAMESPACE}::qkv_attention", mutates_args=())
+def qkv_attention(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    past_lens: torch.Tensor,
+    input_lens: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, tokens, _ = qkv.shape
+    head_dim = k_cache.shape[-1]
+    q, k, v = (
+        part.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
+        for part in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    )
+    positions = past_lens[:, None] + torch.arange(tokens, device=qkv.device)
+    positions = positions.clamp(max=cos_table.shape[0] - 1)  # padded tokens may run past the table
+    cos, sin = (torch.cat((t[positions], t[positions]), dim=-1)[:, None] for t in (cos_table, sin_table))
+    q, k = torch.ops.llmlower.rope(q, cos, sin), torch.ops.llmlower.rope(k, cos, sin)
+    out, k_cache, v_cache = torch.ops.llmlower.attention(
+        q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window
+    )
+    return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim), k_cache, v_cache
+
+
+@qkv_attention.register_fake
+def _qkv_attention_fake(
+    qkv, k_cache, v_cache, past_lens, input_lens, cos_table, sin_table, heads, kv_heads, scale, window=0
+):
+    out = qkv.new_empty((qkv.shape[0], qkv.shape[1], heads * k_cache.shape[-1]))
+    return out, torch.empty_like(k_cache), torch.empty_like(v_cache)
+
+
+def qkv_attention_cost(
+    batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, context: int, element_bytes: int
+) -> Cost:
+    """`attention` plus rotating the new q and k."""
+    rotated = batch * tokens * (heads + kv_heads) * head_dim
+    return attention_cost(batch, tokens, heads, kv_heads, head_dim, context, element_bytes) + rope_cost(
+        rotated, element_bytes
+    )
+
+
+QKV_ATTENTION = register_op(
+    OpDef(
+        name="qkv_attention",
+        op=torch.ops.llmlower.qkv_attention,
+        summary="rotary + attention over a fused qkv projection, kv-heads cache",
+        cost=qkv_attention_cost,
+    )
+)
