@@ -43,6 +43,16 @@ def pad_batch(batch: StepBatch, pad_id: int = 0) -> PaddedBatch:
     return PaddedBatch(input_ids, past_lens[:, None] + steps, past_lens, input_lens)
 
 
+def last_token_logits(logits: np.ndarray, input_lens: np.ndarray) -> np.ndarray:
+    """float32 [batch, vocab] of each sequence's last new token, from logits of every position [batch, tokens,
+    vocab] or of the last one only [batch, 1, vocab] (a last_token_logits program)."""
+    if logits.shape[1] > 1:
+        logits = logits[np.arange(len(input_lens)), input_lens - 1]
+    else:
+        logits = logits[:, 0]
+    return logits.astype(np.float32, copy=False)
+
+
 class Executor(ABC):
     """Runs a compiled model's steps and owns its KV cache: `max_batch` slots of `max_context` tokens."""
 

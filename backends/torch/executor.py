@@ -13,7 +13,7 @@ import torch
 
 from ...errors import GenerationError
 from ...ir.program import INPUT_IDS, INPUT_LENS, LOGITS, PAST_LENS, POSITION_IDS, Program
-from ...runtime.executor import Executor, PaddedBatch, StepBatch, pad_batch
+from ...runtime.executor import Executor, PaddedBatch, StepBatch, last_token_logits, pad_batch
 
 
 class TorchExecutor(Executor):
@@ -40,12 +40,7 @@ class TorchExecutor(Executor):
     def step(self, batch: StepBatch) -> np.ndarray:
         padded = pad_batch(batch)
         outputs = self._run(batch.slots, padded)
-        logits = outputs[LOGITS]
-        if logits.shape[1] > 1:  # every position's logits: pick each sequence's last new token
-            logits = logits[torch.arange(len(batch.slots)), torch.from_numpy(padded.input_lens) - 1]
-        else:
-            logits = logits[:, 0]
-        return logits.float().numpy()
+        return last_token_logits(outputs[LOGITS].float().numpy(), padded.input_lens)
 
     def _run(self, slots: Sequence[int], padded: PaddedBatch) -> dict[str, torch.Tensor]:
         """Run the graph on the step's cache rows (up to the longest sequence) and store the rows back."""
