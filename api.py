@@ -12,6 +12,7 @@ from .ir import Program
 from .passes import DEFAULT_PIPELINE, run_pipeline
 from .passes.manager import PassSpec
 from .runtime import Engine, Tokenizer
+from .runtime.artifact import is_artifact, read_manifest
 from .runtime.perplexity import PerplexityResult, perplexity
 
 
@@ -51,16 +52,25 @@ def compile_artifact(
     *,
     backend: str = "onnx",
     target: str = "cpu",
-    dtype: str = "float32",
+    dtype: str | None = None,
+    accuracy_level: int = 4,
     verify: bool = False,
 ) -> Path:
-    """Compile MODEL into a deployable artifact directory at `output` (written atomically)."""
+    """Compile MODEL into a deployable artifact directory at `output` (written atomically). The dtype
+    defaults to float32 on cpu and float16 on cuda."""
     if backend != "onnx":
         raise LlmlowerError(f"--backend {backend!r}: available backends are onnx (torch runs without compiling)")
-    from .backends.onnx.artifact import build
+    from .backends.onnx.artifact import build, check_target
 
+    check_target(target)  # before the minutes of capture and passes
+    dtype = dtype or ("float16" if target == "cuda" else "float32")
     loaded, program = compile_program(model, pipeline, dtype=dtype, verify=verify)
-    return build(program, output, target=target, write_extra=loaded.tokenizer.write)
+
+    def write_model_files(directory: Path) -> None:
+        loaded.tokenizer.write(directory)
+        loaded.module.generation_config.to_json_file(directory / "generation_config.json")
+
+    return build(program, output, target=target, accuracy_level=accuracy_level, write_extra=write_model_files)
 
 
 def tokenizer_of(loaded: LoadedModel) -> Tokenizer:
@@ -76,13 +86,20 @@ def text_perplexity(
     dtype: str = "float32",
     window: int = 512,
     stride: int | None = None,
-) -> tuple[PerplexityResult, Program]:
+) -> tuple[PerplexityResult, list[dict]]:
     """Sliding-window perplexity of `text` under MODEL compiled with `pipeline` (which must keep every
-    position's logits: no last_token_logits). The window is capped at the model's context; the stride
-    defaults to half the window."""
-    loaded, program = compile_program(model, pipeline, dtype=dtype)
-    window = min(window, program.spec.max_positions)
-    ids = tokenizer_of(loaded).encode(text, add_special_tokens=False)
-    executor = TorchExecutor(program, max_batch=1, max_context=window)
-    stride = stride or window // 2
-    return perplexity(executor.prompt_logits, ids, window=window, stride=stride), program
+    position's logits: no last_token_logits), or under an artifact compiled that way (the pipeline is then
+    the artifact's). The window is capped at the model's context; the stride defaults to half the window.
+    Returns the result and the passes that ran (name, options, stats)."""
+    if is_artifact(model):
+        engine = Engine.load(model, max_batch=1, max_context=window)
+        executor, tokenizer, history = engine.executor, engine.tokenizer, read_manifest(model, verify=False)["pipeline"]
+        window = min(window, executor.max_context)
+    else:
+        loaded, program = compile_program(model, pipeline, dtype=dtype)
+        window = min(window, program.spec.max_positions)
+        executor, tokenizer = TorchExecutor(program, max_batch=1, max_context=window), tokenizer_of(loaded)
+        history = [{"name": r.name, "options": r.options, "stats": r.stats} for r in program.history]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    result = perplexity(executor.prompt_logits, ids, window=window, stride=stride or window // 2)
+    return result, history

@@ -47,12 +47,17 @@ def _generate(args: argparse.Namespace) -> int:
     if is_artifact(args.model):  # a compiled artifact runs without torch
         from .runtime import Engine
 
-        engine = Engine.load(args.model, max_batch=1, max_context=args.max_context)
+        engine = Engine.load(args.model, max_batch=1, max_context=args.max_context, threads=args.threads)
     else:
         from .api import load_engine
 
         engine = load_engine(
-            args.model, _pipeline(args), dtype=args.dtype, max_batch=1, max_context=args.max_context, verify=args.verify
+            args.model,
+            _pipeline(args),
+            dtype=args.dtype or "float32",
+            max_batch=1,
+            max_context=args.max_context,
+            verify=args.verify,
         )
     result = engine.generate([args.prompt], max_tokens=args.max_tokens, chat=not args.raw)[0]
     if args.json:
@@ -122,6 +127,7 @@ def _compile(args: argparse.Namespace) -> int:
         backend=args.backend,
         target=args.target,
         dtype=args.dtype,
+        accuracy_level=args.accuracy_level,
         verify=args.verify,
     )
     manifest = read_manifest(out, verify=False)
@@ -143,17 +149,19 @@ def _perplexity(args: argparse.Namespace) -> int:
         raise LlmlowerError(f"{path}: --text file not found")
     text = path.read_text(encoding="utf-8")
     pipeline = _pipeline(args, all_logits=True)
-    result, program = text_perplexity(
-        args.model, text, pipeline, dtype=args.dtype, window=args.window, stride=args.stride
+    result, history = text_perplexity(
+        args.model, text, pipeline, dtype=args.dtype or "float32", window=args.window, stride=args.stride
     )
-    report = {"perplexity": result.perplexity, "tokens": result.tokens, "weight_bytes": program.parameters_bytes()}
+    weight_bytes = history[-1]["stats"]["parameter_bytes"] if history else None
+    report = {"perplexity": result.perplexity, "tokens": result.tokens, "weight_bytes": weight_bytes}
     if args.json:
         print(json.dumps(report))
     else:
-        names = ", ".join(r.name for r in program.history)
+        names = ", ".join(step["name"] for step in history)
         print(f"perplexity {result.perplexity:.3f} over {result.tokens} tokens ({names})")
-        print(f"weights {report['weight_bytes'] / 2**20:.1f} MiB")
-        quant = program.history[-1].stats if program.history[-1].name == "quantize_weights" else None
+        if weight_bytes is not None:
+            print(f"weights {weight_bytes / 2**20:.1f} MiB")
+        quant = history[-1]["stats"] if history and history[-1]["name"] == "quantize_weights" else None
         if quant is not None:
             before, after = quant["quantized_weight_bytes_before"], quant["quantized_weight_bytes_after"]
             print(f"quantized weights {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB ({after / before:.3f}x)")
@@ -184,7 +192,9 @@ def _add_pipeline_options(parser: argparse.ArgumentParser) -> None:
         "--keep", action="append", default=[], help="keep in full precision: lm_head or a weight-name substring"
     )
     parser.add_argument("--quant-embedding", action="store_true", help="also quantize the embedding table")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--dtype", choices=["float32", "float16", "bfloat16"], help="default float32 (compile for cuda: float16)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and timing")
     gen.add_argument("--max-context", type=int, default=2048, help="KV-cache length in tokens (default 2048)")
     gen.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
+    gen.add_argument("--threads", type=int, default=0, help="artifact: intra-op threads (default: one per core)")
     _add_pipeline_options(gen)
     gen.set_defaults(run=_generate)
 
@@ -206,7 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("model", help=MODEL_HELP)
     comp.add_argument("-o", "--output", required=True, help="the artifact directory to write")
     comp.add_argument("--backend", default="onnx", choices=["onnx"], help="onnx: ONNX Runtime")
-    comp.add_argument("--target", default="cpu", choices=["cpu", "cuda"])
+    comp.add_argument("--target", default="cpu", help="cpu or cuda")
+    comp.add_argument(
+        "--accuracy-level",
+        type=int,
+        default=4,
+        choices=range(5),
+        help="MatMulNBits compute type on CPU: 4 = int8 activations (default, fastest), 0 = float32",
+    )
     comp.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
     _add_pipeline_options(comp)
     comp.set_defaults(run=_compile)
@@ -238,10 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("max_tokens", "max_context", "context", "batch", "window", "stride"):
+    lowest = {"max_tokens": 1, "max_context": 1, "context": 1, "batch": 1, "window": 1, "stride": 1, "threads": 0}
+    for name, bound in lowest.items():
         value = getattr(args, name, None)
-        if value is not None and value < 1:
-            print(f"error: --{name.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
+        if value is not None and value < bound:
+            print(f"error: --{name.replace('_', '-')} must be >= {bound}, got {value}", file=sys.stderr)
             return 2
     progress.use_reporter(RichReporter(Console(stderr=True)))
     try:
@@ -249,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     except LlmlowerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     finally:
         progress.use_reporter(None)
 

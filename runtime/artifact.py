@@ -57,7 +57,11 @@ def write_artifact(directory: str | Path, write_files: Callable[[Path], None], m
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old")
             directory.rename(old)
-            staging.rename(directory)
+            try:
+                staging.rename(directory)
+            except BaseException:
+                old.rename(directory)  # put the previous artifact back
+                raise
             shutil.rmtree(old)
         else:
             staging.rename(directory)

@@ -8,7 +8,7 @@ import pytest
 
 from llmlower.cli import main
 from llmlower.runtime import Engine
-from llmlower.runtime.artifact import FORMAT_VERSION, ArtifactError
+from llmlower.runtime.artifact import FORMAT_VERSION, ArtifactError, write_artifact
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +23,12 @@ def test_manifest_describes_the_artifact(artifact):
     assert manifest["format_version"] == FORMAT_VERSION
     assert (manifest["backend"], manifest["target"], manifest["dtype"]) == ("onnx", "cpu", "float32")
     assert manifest["spec"]["num_kv_heads"] == 2
-    assert [p["name"] for p in manifest["pipeline"]][-2:] == ["kv_cache", "last_token_logits"]
+    assert [p["name"] for p in manifest["pipeline"]][-3:] == ["kv_cache", "fuse_qkv_attention", "last_token_logits"]
     assert manifest["kv_layout"]["shape"] == ["batch", "kv_heads", "context", "head_dim"]
     step = manifest["entry_points"]["step"]
     assert [t["name"] for t in step["inputs"]][:4] == ["input_ids", "position_ids", "past_lens", "input_lens"]
-    assert set(manifest["files"]) == {"model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json"}
+    files = {"model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    assert set(manifest["files"]) == files
     assert all(len(digest) == 64 for digest in manifest["files"].values())
 
 
@@ -78,6 +79,43 @@ def test_another_format_version_is_refused(artifact, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="format_version 2; this llmlower reads version 1"):
         Engine.load(copy)
+
+
+def test_a_missing_file_is_named(artifact, tmp_path, capsys):
+    import shutil
+
+    copy = shutil.copytree(artifact, tmp_path / "copy")
+    (copy / "tokenizer.json").unlink()
+    with pytest.raises(ArtifactError, match=r"tokenizer\.json: listed in manifest\.json but missing"):
+        Engine.load(copy)
+    assert main(["generate", str(copy), "--prompt", "x"]) != 0
+    assert "tokenizer.json" in capsys.readouterr().err
+
+
+def test_an_unsupported_target_is_refused_before_compiling(tiny_llama, tmp_path, capsys):
+    assert main(["compile", str(tiny_llama), "-o", str(tmp_path / "out"), "--target", "tpu"]) == 1
+    err = capsys.readouterr().err
+    assert "--target 'tpu'" in err and "cpu, cuda" in err and "capture" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupted_write_leaves_the_previous_artifact(artifact, tmp_path):
+    """Ctrl-C while the files are written: no half-written directory, an existing artifact untouched."""
+    import shutil
+
+    previous = shutil.copytree(artifact, tmp_path / "artifact")
+    before = json.loads((previous / "manifest.json").read_text())
+
+    def write_then_interrupt(staging):
+        (staging / "model.onnx").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    for target in (tmp_path / "fresh", previous):
+        with pytest.raises(KeyboardInterrupt):
+            write_artifact(target, write_then_interrupt, {"backend": "onnx"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["artifact"]
+    assert json.loads((previous / "manifest.json").read_text()) == before
+    Engine.load(previous)  # still whole: every hash checks out
 
 
 def test_a_failed_compile_leaves_nothing_behind(tiny_checkpoints, tmp_path, capsys):

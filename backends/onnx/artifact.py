@@ -18,6 +18,11 @@ MODEL_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
 
+def check_target(target: str) -> None:
+    if target not in PROVIDERS:
+        raise LlmlowerError(f"--target {target!r}: the onnx backend builds for {', '.join(PROVIDERS)}")
+
+
 def build(
     program: Program,
     directory: str | Path,
@@ -26,8 +31,7 @@ def build(
     write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Lower `program`, write it (and whatever `write_extra` adds, e.g. tokenizer files) as an artifact."""
-    if target not in PROVIDERS:
-        raise LlmlowerError(f"--target {target!r}: the onnx backend builds for {', '.join(PROVIDERS)}")
+    check_target(target)
     if not program.has_kv_cache:
         raise LlmlowerError("the onnx backend needs a program with a KV cache (the kv_cache pass)")
     with stage("lower to ONNX (torch.onnx.export)"):
