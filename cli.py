@@ -41,9 +41,29 @@ def _pipeline(args: argparse.Namespace, all_logits: bool = False) -> list:
     return build_pipeline(args.passes, args.quant, args.keep, args.quant_embedding, all_logits=all_logits)
 
 
+def _check_artifact_options(args: argparse.Namespace) -> None:
+    """An artifact was compiled with its pipeline and dtype: options that would change them are an error."""
+    from .runtime.artifact import is_artifact
+
+    if not is_artifact(args.model):
+        return
+    options = {
+        "--passes": args.passes,
+        "--quant": args.quant != "none",
+        "--keep": args.keep,
+        "--quant-embedding": args.quant_embedding,
+        "--dtype": args.dtype,
+        "--verify": getattr(args, "verify", False),
+    }
+    given = [flag for flag, value in options.items() if value]
+    if given:
+        raise LlmlowerError(f"{args.model} is a compiled artifact: {', '.join(given)} apply when compiling")
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .runtime.artifact import is_artifact
 
+    _check_artifact_options(args)
     if is_artifact(args.model):  # a compiled artifact runs without torch
         from .runtime import Engine
 
@@ -148,6 +168,7 @@ def _perplexity(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise LlmlowerError(f"{path}: --text file not found")
     text = path.read_text(encoding="utf-8")
+    _check_artifact_options(args)
     pipeline = _pipeline(args, all_logits=True)
     result, history = text_perplexity(
         args.model, text, pipeline, dtype=args.dtype or "float32", window=args.window, stride=args.stride

@@ -70,8 +70,9 @@ def _fuse_rms_norms(gm: torch.fx.GraphModule) -> int:
 
 def _fuse_residual_adds(gm: torch.fx.GraphModule) -> int:
     fused = 0
-    for match in find(gm, _add_then_norm):
-        x, residual, weight = match.inputs
+    sums: dict[torch.fx.Node, torch.fx.Node] = {}  # a fused add -> the add_rms_norm output now holding it
+    for match in find(gm, _add_then_norm):  # matched before any rewrite: inputs may be adds fused since
+        x, residual, weight = (sums.get(node, node) for node in match.inputs)
         add = match.node(aten.add.Tensor)
         if add.kwargs or x.meta.get("val") is None or residual.meta.get("val") is None:
             continue
@@ -83,6 +84,7 @@ def _fuse_residual_adds(gm: torch.fx.GraphModule) -> int:
             normed = gm.graph.call_function(operator.getitem, (call, 0))
             total = gm.graph.call_function(operator.getitem, (call, 1))
         replace_uses(match.outputs, [normed, total])
+        sums[add] = total
         fused += 1
     return fused
 

@@ -103,13 +103,16 @@ def fuse_qkv_attention(program: Program) -> tuple[Program, dict[str, Any]]:
     gm = program.graph_module
     graph = gm.graph
     tables: dict[torch.fx.Node, str | None] = {}  # a cos/sin node -> the buffer holding its table
+    buffers: list[tuple[torch.Tensor, str]] = []  # each layer computes the same cos/sin: store each once
 
     def table_for(node: torch.fx.Node, head_dim: int) -> str | None:
         if node not in tables:
             table = _rotary_table(gm, node, head_dim, program.spec.max_positions)
-            tables[node] = None if table is None else f"rotary_table_{len(tables)}"
-            if table is not None:
+            same = [name for stored, name in buffers if table is not None and torch.equal(stored, table)]
+            tables[node] = same[0] if same else None if table is None else f"rotary_table_{len(buffers)}"
+            if table is not None and not same:
                 gm.register_buffer(tables[node], table)
+                buffers.append((table, tables[node]))
         return tables[node]
 
     fused = 0

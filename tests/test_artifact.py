@@ -124,3 +124,8 @@ def test_a_failed_compile_leaves_nothing_behind(tiny_checkpoints, tmp_path, caps
     assert main(args) != 0  # qembedding has no ONNX lowering yet
     assert "cannot lower node" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pipeline_options_on_an_artifact_are_refused(artifact, capsys):
+    assert main(["generate", str(artifact), "--prompt", "x", "--quant", "q4g32"]) == 1
+    assert "is a compiled artifact: --quant apply when compiling" in capsys.readouterr().err

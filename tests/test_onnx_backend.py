@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import onnx
 import pytest
 import torch
 
 from llmlower.backends.onnx import LoweringError, to_onnx
 from llmlower.backends.torch import TorchExecutor
+from llmlower.cli import main
 from llmlower.frontend import capture, load
 from llmlower.passes import build_pipeline, run_pipeline
 from llmlower.runtime import StepBatch
 from llmlower.runtime.executors.onnx import OnnxExecutor
 
 PROMPT_LENS = [5, 9, 3]
+FULL_LOGITS = "canonicalize,fuse_norms,fuse_rope,fuse_projections,kv_cache,fuse_qkv_attention"
 
 
 def _max_difference(program, accuracy_level: int = 4) -> float:
@@ -51,3 +56,39 @@ def test_an_op_without_lowering_is_named(tiny_checkpoints):
     program = run_pipeline(capture(load(tiny_checkpoints["gpt2"])), build_pipeline(quant="q8", quantize_embedding=True))
     with pytest.raises(LoweringError, match=r"cannot lower node qembedding\w* \(op llmlower.qembedding"):
         to_onnx(program)
+
+
+def test_cuda_target_is_a_float16_graph_that_onnxruntime_runs(tiny_llama, tmp_path):
+    """`--target cuda` builds float16 (what the CUDA EP runs fastest); the same graph runs on the CPU EP here
+    and stays within float16 rounding of the float32 reference."""
+    out = tmp_path / "cuda"
+    assert main(["compile", str(tiny_llama), "-o", str(out), "--target", "cuda", "--passes", FULL_LOGITS]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dtype"] == "float16" and manifest["providers"][0] == "CUDAExecutionProvider"
+    model = onnx.load(out / "model.onnx")
+    assert model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= {n.op_type for n in model.graph.node}
+
+    ours = OnnxExecutor(str(out / "model.onnx"), max_batch=3, max_context=32)  # CPU EP
+    program = run_pipeline(capture(load(tiny_llama)), build_pipeline(FULL_LOGITS.split(",")))
+    reference = TorchExecutor(program, 3, 32)
+    batch = StepBatch([0, 1, 2], [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], [0] * 3)
+    expected = reference.step(batch)
+    assert np.abs(ours.step(batch) - expected).max() <= 1e-2 * np.abs(expected).max()
+    batch = StepBatch([0, 1, 2], [[3], [4], [5]], [5, 2, 3])
+    expected = reference.step(batch)
+    assert np.abs(ours.step(batch) - expected).max() <= 1e-2 * np.abs(expected).max()
+
+
+def test_slots_out_of_order_and_non_contiguous(tiny_llama):
+    """Sequences in slots 2 and 0 (bound as two runs of cache rows) give the logits they give in slots 0, 1."""
+    program = run_pipeline(capture(load(tiny_llama)), build_pipeline())
+    model = to_onnx(program).SerializeToString()
+    ours, reference = OnnxExecutor(model, max_batch=3, max_context=32), TorchExecutor(program, 3, 32)
+    prompts, past = [[5, 6, 7, 8], [9, 10]], [4, 2]
+    expected = reference.step(StepBatch([0, 1], prompts, [0, 0]))
+    np.testing.assert_allclose(ours.step(StepBatch([2, 0], prompts, [0, 0])), expected, atol=1e-4)
+    for token in (11, 12, 13):
+        expected = reference.step(StepBatch([0, 1], [[token], [token]], past))
+        np.testing.assert_allclose(ours.step(StepBatch([2, 0], [[token], [token]], past)), expected, atol=1e-4)
+        past = [p + 1 for p in past]

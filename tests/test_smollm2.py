@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from llmlower.api import compile_artifact, compile_program, load_engine, tokenizer_of
+from llmlower.api import compile_artifact, compile_program, load_engine, text_perplexity, tokenizer_of
 from llmlower.backends.torch import TorchExecutor
 from llmlower.frontend import example_gguf, load
 from llmlower.passes import build_pipeline, parse_quant, run_pipeline
@@ -92,3 +92,15 @@ def test_onnx_artifact_greedy_equals_the_torch_reference(smollm2, tmp_path):
     reference = load_engine(smollm2, max_batch=3, max_context=256).generate(PROMPTS, max_tokens=32)
     for prompt, ours, expected in zip(PROMPTS, from_artifact, reference, strict=True):
         assert ours.token_ids == expected.token_ids, prompt
+
+
+def test_onnx_q4_artifact_perplexity_is_within_the_int4_bound(smollm2, tmp_path):
+    """The q4g32 artifact as ONNX Runtime runs it (MatMulNBits with int8 activations, accuracy_level 4):
+    perplexity within +5% of the fp32 torch reference on the same text and windows."""
+    text = PERPLEXITY_TEXT.read_text(encoding="utf-8")
+    artifact = compile_artifact(smollm2, tmp_path / "q4", build_pipeline(quant="q4g32", all_logits=True))
+    ours, history = text_perplexity(artifact, text, [])
+    reference, _ = text_perplexity(smollm2, text, build_pipeline(all_logits=True))
+    print(f"q4g32 ONNX artifact perplexity {ours.perplexity:.3f}, fp32 torch {reference.perplexity:.3f}")
+    assert history[-1]["name"] == "quantize_weights" and ours.tokens == reference.tokens >= 2000
+    assert ours.perplexity <= reference.perplexity * 1.05

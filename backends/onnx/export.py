@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+
 import onnx
 import torch
 
@@ -33,13 +38,29 @@ def output_name(name: str, input_names: list[str]) -> str:
     return f"{PRESENT}{name}" if name in input_names else name
 
 
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """Hide the exporter's noise that says nothing about this model (torchvision ops it skips, a pytree
+    deprecation); real errors still raise."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            yield
+    finally:
+        registration.setLevel(level)
+
+
 def to_onnx(program: Program, accuracy_level: int = 4) -> onnx.ModelProto:
     """The program as an ONNX model whose inputs and outputs carry the program's names; `accuracy_level`
     is MatMulNBits' (see lowerings.qlinear_lowering)."""
     check_lowerable(program)
     exported = program.export()
     table = translations(accuracy_level)
-    onnx_program = torch.onnx.export(exported, custom_translation_table=table, dynamo=True, verbose=False)
+    with _quiet_exporter():
+        onnx_program = torch.onnx.export(exported, custom_translation_table=table, dynamo=True, verbose=False)
     for value, spec in zip(onnx_program.model.graph.outputs, program.outputs, strict=True):
         value.name = output_name(spec.name, program.input_names)
     model = onnx_program.model_proto

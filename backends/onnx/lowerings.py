@@ -118,7 +118,7 @@ def _group_sums(x, blocks: int, group: int, in_features: int):
     if blocks * group != in_features:
         pads = [0] * (2 * rank - 1) + [blocks * group - in_features]
         x = op.Pad(x, op.Constant(value_ints=pads))
-    shape = op.Concat(op.Shape(x, end=-1), op.Constant(value_ints=[blocks, group]), axis=0)
+    shape = op.Constant(value_ints=[0] * (rank - 1) + [blocks, group])  # 0: keep that dim
     return op.ReduceSum(op.Reshape(x, shape), op.Constant(value_ints=[-1]), keepdims=0)
 
 
