@@ -1,28 +1,40 @@
 """Decode speed and time to first token, measured in one run for every engine in the table.
 
-Rows: transformers eager (its own forward with a DynamicCache) and llmlower's torch reference backend,
-both fp32 on the same weights and the same token sequences. Decode: batch 1, N new tokens (greedy, EOS
-ignored), tokens/s as the median over repeats. TTFT: prefill of a 13-token and a 512-token prompt, median.
+Rows: transformers eager (its own forward with a DynamicCache, fp32), llmlower's torch reference backend
+(fp32), llmlower ONNX artifacts (fp32, q8, q4g32; compiled once into --artifacts and reused), and the
+peers of benchmarks/peers/ (ONNX Runtime GenAI int4, llama.cpp on the example's Q4_1 GGUF) where their
+setup.sh has been run. Same token sequences everywhere. Decode: batch 1, N new tokens (greedy, EOS ignored),
+tokens/s as the median over repeats. TTFT: prefill of a 13-token and a 512-token prompt, median.
 
-    .venv/bin/python benchmarks/speed.py [--model example] [--new-tokens 128] [--repeats 3] [--json FILE]
+    .venv/bin/python benchmarks/speed.py [--model example] [--new-tokens 128] [--repeats 3] [--threads N]
+        [--artifacts DIR] [--only NAME,...] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
-from llmlower.api import compile_program
+from llmlower.api import compile_artifact, compile_program, tokenizer_of
 from llmlower.backends.torch import TorchExecutor
-from llmlower.runtime import StepBatch, Tokenizer
+from llmlower.frontend.example import cache_dir
+from llmlower.passes import build_pipeline
+from llmlower.runtime import Engine, Executor, StepBatch
 
+PEERS = Path(__file__).parent / "peers"
+ARTIFACTS = {"onnx fp32": "none", "onnx q8": "q8", "onnx q4g32": "q4g32"}  # row -> --quant
 PROMPT_TOKENS = (13, 512)
 FILLER = (
     "Compilers for language models capture a graph, rewrite it with passes and lower it to kernels. "
@@ -50,7 +62,7 @@ def transformers_eager(module: torch.nn.Module) -> tuple[Prefill, Decode]:
     return prefill, decode
 
 
-def llmlower_executor(executor: TorchExecutor) -> tuple[Prefill, Decode]:
+def llmlower_executor(executor: Executor) -> tuple[Prefill, Decode]:
     def prefill(ids: list[int]) -> np.ndarray:
         return executor.step(StepBatch([0], [ids], [0]))[0]
 
@@ -80,40 +92,104 @@ def measure(prefill: Prefill, decode: Decode, prompts: dict[int, list[int]], new
     }
 
 
+def onnx_artifact(
+    model: str, quant: str, directory: Path, threads: int, context: int, rebuild: bool
+) -> tuple[Prefill, Decode]:
+    """An ONNX artifact of MODEL with `quant`, compiled into `directory` unless one with the same passes is
+    already there (--rebuild compiles anyway)."""
+    pipeline = build_pipeline(quant=quant)
+    manifest = directory / "manifest.json"
+    names = [p if isinstance(p, str) else p[0] for p in pipeline]
+    if rebuild or not manifest.exists() or [p["name"] for p in json.loads(manifest.read_text())["pipeline"]] != names:
+        compile_artifact(model, directory, pipeline)
+    return llmlower_executor(Engine.load(directory, max_batch=1, max_context=context, threads=threads).executor)
+
+
+def peer(name: str, model: Path, prompts: dict[int, list[int]], new_tokens: int, repeats: int, threads: int) -> dict:
+    """Run benchmarks/peers/NAME.py in its own virtual environment; its JSON line is the row."""
+    python = PEERS / f".venv-{name}" / "bin" / "python"
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump({str(n): ids for n, ids in prompts.items()}, f)
+        f.flush()
+        command = [str(python), str(PEERS / f"{name}.py"), "--model", str(model), "--prompts", f.name]
+        command += ["--new-tokens", str(new_tokens), "--repeats", str(repeats), "--threads", str(threads)]
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def peer_models() -> dict[str, tuple[str, Path]]:
+    """Peer rows whose setup.sh has been run: row name -> (runner, model path)."""
+    cache = cache_dir()
+    candidates = {
+        "onnxruntime-genai int4": ("ortgenai", cache / "peers" / "ortgenai-int4"),
+        "llama.cpp Q4_1": ("llamacpp", cache / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    }
+    return {
+        row: (runner, path)
+        for row, (runner, path) in candidates.items()
+        if (PEERS / f".venv-{runner}" / "bin" / "python").exists() and path.exists()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="example")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--artifacts", type=Path, help="where ONNX artifacts are compiled and reused")
+    parser.add_argument("--rebuild", action="store_true", help="compile the ONNX artifacts even if present")
+    parser.add_argument("--only", help="comma-separated row names to run (default: all)")
     parser.add_argument("--json", help="also write the table to this file")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    artifacts = args.artifacts or cache_dir() / "bench" / Path(args.model).name
 
     loaded, program = compile_program(args.model)
-    files = loaded.tokenizer
-    tokenizer = Tokenizer(files.tokenizer_json, files.config, files.chat_template)
-    filler = tokenizer.encode(FILLER * 64, add_special_tokens=False)
+    filler = tokenizer_of(loaded).encode(FILLER * 64, add_special_tokens=False)
     prompts = {n: filler[:n] for n in PROMPT_TOKENS}
     context = max(PROMPT_TOKENS) + args.new_tokens + 1
 
-    engines = {
-        "transformers eager fp32": transformers_eager(loaded.module),
-        "llmlower torch fp32": llmlower_executor(TorchExecutor(program, max_batch=1, max_context=context)),
+    engines: dict[str, Callable[[], tuple[Prefill, Decode]]] = {
+        "transformers eager fp32": lambda: transformers_eager(loaded.module),
+        "llmlower torch fp32": lambda: llmlower_executor(TorchExecutor(program, max_batch=1, max_context=context)),
     }
+    for row, quant in ARTIFACTS.items():
+        directory = artifacts / quant
+        engines[row] = lambda q=quant, d=directory: onnx_artifact(args.model, q, d, args.threads, context, args.rebuild)
+    peers = peer_models() if args.model == "example" else {}
+    wanted = set(args.only.split(",")) if args.only else set(engines) | set(peers)
     rows = {}
-    for name, (prefill, decode) in engines.items():
-        rows[name] = measure(prefill, decode, prompts, args.new_tokens, args.repeats)
-    baseline = rows["transformers eager fp32"]["decode_tokens_per_s"]
+    for name, make in engines.items():
+        if name in wanted:
+            print(f"[speed] {name}", file=sys.stderr)
+            rows[name] = measure(*make(), prompts, args.new_tokens, args.repeats)
+    for name, (runner, path) in peers.items():
+        if name in wanted:
+            print(f"[speed] {name}", file=sys.stderr)
+            rows[name] = peer(runner, path, prompts, args.new_tokens, args.repeats, args.threads)
+    print_table(rows, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
 
-    print(f"{torch.get_num_threads()} threads, batch 1, {args.new_tokens} new tokens, median of {args.repeats}")
-    print(f"{'engine':<26} {'decode tok/s':>12} {'vs eager':>9} {'TTFT 13 ms':>11} {'TTFT 512 ms':>12}")
+
+def print_table(rows: dict[str, dict], args: argparse.Namespace) -> None:
+    """Rows with decode tok/s, its ratio to the first row, and TTFT in ms."""
+    baseline_name = next(iter(rows))
+    baseline = rows[baseline_name]["decode_tokens_per_s"]
+    print(f"{args.threads} threads, batch 1, {args.new_tokens} new tokens, median of {args.repeats}")
+    print(f"{'engine':<26} {'decode tok/s':>12} {'vs first':>9} {'TTFT 13 ms':>11} {'TTFT 512 ms':>12}")
     for name, row in rows.items():
         print(
             f"{name:<26} {row['decode_tokens_per_s']:>12.1f} {row['decode_tokens_per_s'] / baseline:>8.2f}x "
             f"{row['ttft_13_s'] * 1000:>11.0f} {row['ttft_512_s'] * 1000:>12.0f}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    ours, theirs = rows.get("onnx q4g32"), rows.get("onnxruntime-genai int4")
+    if ours and theirs:
+        print(
+            f"onnx q4g32 vs onnxruntime-genai int4: {ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x"
+        )
 
 
 if __name__ == "__main__":
