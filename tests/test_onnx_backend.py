@@ -92,3 +92,18 @@ def test_slots_out_of_order_and_non_contiguous(tiny_llama):
         expected = reference.step(StepBatch([0, 1], [[token], [token]], past))
         np.testing.assert_allclose(ours.step(StepBatch([2, 0], [[token], [token]], past)), expected, atol=1e-4)
         past = [p + 1 for p in past]
+
+
+def test_a_prompt_continued_in_chunks_and_mixed_steps(tiny_llama):
+    """A sequence extended by several tokens at once (chunked prefill, multi-turn chat), alone and in a step
+    with another sequence decoding one token, matches the reference."""
+    program = run_pipeline(capture(load(tiny_llama)), build_pipeline())
+    model = to_onnx(program).SerializeToString()
+    ours, reference = OnnxExecutor(model, max_batch=2, max_context=32), TorchExecutor(program, 2, 32)
+    steps = [
+        StepBatch([0, 1], [[5, 6, 7, 8, 9], [10, 11]], [0, 0]),
+        StepBatch([0], [[12, 13, 14]], [5]),
+        StepBatch([0, 1], [[15, 16], [17]], [8, 2]),
+    ]
+    for batch in steps:
+        np.testing.assert_allclose(ours.step(batch), reference.step(batch), atol=1e-4)
