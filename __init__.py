@@ -19,6 +19,8 @@ _EXPORTS = {
     "DEFAULT_PIPELINE": "llmlower.passes",
     "Program": "llmlower.ir",
     "Engine": "llmlower.runtime",
+    "AsyncEngine": "llmlower.runtime",
+    "SamplingParams": "llmlower.runtime",
     "GenerationResult": "llmlower.runtime",
     "Tokenizer": "llmlower.runtime",
     "ModelSpec": "llmlower.spec",

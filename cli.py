@@ -1,4 +1,4 @@
-"""The `llmlower` command: generate, inspect, passes."""
+"""The `llmlower` command: generate, chat, compile, perplexity, inspect, passes."""
 
 from __future__ import annotations
 
@@ -60,46 +60,96 @@ def _check_artifact_options(args: argparse.Namespace) -> None:
         raise LlmlowerError(f"{args.model} is a compiled artifact: {', '.join(given)} apply when compiling")
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _engine(args: argparse.Namespace, max_batch: int) -> Any:
+    """An Engine for MODEL: an artifact runs as compiled (without torch), a checkpoint through the pipeline."""
     from .runtime.artifact import is_artifact
 
     _check_artifact_options(args)
-    if is_artifact(args.model):  # a compiled artifact runs without torch
+    if is_artifact(args.model):
         from .runtime import Engine
 
-        engine = Engine.load(args.model, max_batch=1, max_context=args.max_context, threads=args.threads)
-    else:
-        from .api import load_engine
+        return Engine.load(args.model, max_batch=max_batch, max_context=args.max_context, threads=args.threads)
+    from .api import load_engine
 
-        engine = load_engine(
-            args.model,
-            _pipeline(args),
-            dtype=args.dtype or "float32",
-            max_batch=1,
-            max_context=args.max_context,
-            verify=args.verify,
-        )
-    result = engine.generate([args.prompt], max_tokens=args.max_tokens, chat=not args.raw)[0]
+    return load_engine(
+        args.model,
+        _pipeline(args),
+        dtype=args.dtype or "float32",
+        max_batch=max_batch,
+        max_context=args.max_context,
+        verify=args.verify,
+    )
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    """SamplingParams from the flags given (each named after its field); invalid values name the field."""
+    from .runtime.sampling import SamplingParams
+
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    if "logit_bias" in given:
+        try:
+            given["logit_bias"] = {int(k): v for k, v in json.loads(given["logit_bias"]).items()}
+        except (ValueError, AttributeError):
+            raise LlmlowerError(
+                f"logit_bias: expected a JSON object of token id to bias, got {args.logit_bias!r}"
+            ) from None
+    return SamplingParams(**given)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)  # bad values fail before the model loads
+    engine = _engine(args, max_batch=params.n)
+    if args.stream:
+        for delta in engine.stream([args.prompt], params, chat=not args.raw):
+            print(delta.text, end="\n\n" if delta.finish_reason and params.n > 1 else "", flush=True)
+        print()
+        return 0
+    results = engine.generate([args.prompt], params, chat=not args.raw)
     if args.json:
-        payload: dict[str, Any] = {
-            "text": result.text,
-            "token_ids": result.token_ids,
-            "prompt_token_ids": result.prompt_token_ids,
-            "finish_reason": result.finish_reason,
-            "timing": {
-                "ttft_s": result.timing.ttft_s,
-                "decode_tokens_per_s": result.timing.decode_tokens_per_s,
-            },
-        }
-        print(json.dumps(payload, ensure_ascii=False))
-    else:
+        payloads = [result.to_dict() for result in results]
+        print(json.dumps(payloads[0] if len(payloads) == 1 else payloads, ensure_ascii=False))
+        return 0
+    err = Console(stderr=True)
+    for result in results:
         print(result.text)
-        err = Console(stderr=True)
         err.print(
             f"[dim]{len(result.token_ids)} tokens, finish_reason={result.finish_reason}, "
             f"TTFT {result.timing.ttft_s * 1000:.0f} ms, decode {result.timing.decode_tokens_per_s:.1f} tokens/s[/dim]"
         )
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """An interactive chat in the terminal: each reply streams as it is generated; /reset, /exit."""
+    from dataclasses import replace
+
+    params = _sampling_params(args)
+    if params.n != 1:
+        raise LlmlowerError("chat: n must be 1")
+    engine = _engine(args, max_batch=1)
+    console = Console(stderr=True)
+    console.print(f"[dim]chatting with {args.model} ({'greedy' if params.greedy else 'sampling'}); /reset, /exit[/dim]")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turn = 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        seeded = replace(params, seed=None if params.seed is None else params.seed + turn)
+        for delta in engine.stream([messages], seeded):
+            print(delta.text, end="", flush=True)
+            reply.append(delta.text)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        turn += 1
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -218,21 +268,59 @@ def _add_pipeline_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+SAMPLING_FLAGS: dict[str, dict[str, Any]] = {  # SamplingParams field -> argparse options of --field-name
+    "temperature": {"type": float, "default": 0.0, "help": "0 (default) is greedy"},
+    "top_k": {"type": int},
+    "top_p": {"type": float},
+    "min_p": {"type": float},
+    "repetition_penalty": {"type": float},
+    "frequency_penalty": {"type": float},
+    "presence_penalty": {"type": float},
+    "logit_bias": {"help": "JSON object of token id to bias, e.g. '{\"42\": -100}'"},
+    "seed": {"type": int},
+    "max_tokens": {"type": int, "default": 128, "help": "most new tokens (default 128)"},
+    "min_tokens": {"type": int},
+    "stop": {"action": "append", "help": "a stop string (repeatable)"},
+    "stop_token_ids": {"type": int, "action": "append", "help": "a stop token id (repeatable)"},
+    "ignore_eos": {"action": "store_const", "const": True},
+    "include_stop_str_in_output": {"action": "store_const", "const": True},
+    "logprobs": {"action": "store_const", "const": True},
+    "top_logprobs": {"type": int},
+    "n": {"type": int, "help": "completions of the prompt"},
+}
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Sampling flags (named after SamplingParams' fields), context, threads and the pipeline options."""
+    group = parser.add_argument_group("sampling (see llmlower.runtime.sampling.SamplingParams)")
+    for name, options in SAMPLING_FLAGS.items():
+        group.add_argument(f"--{name.replace('_', '-')}", dest=name, **options)
+    parser.add_argument("--max-context", type=int, default=2048, help="KV-cache length in tokens (default 2048)")
+    parser.add_argument("--threads", type=int, default=0, help="artifact: intra-op threads (default: one per core)")
+    parser.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
+    _add_pipeline_options(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmlower", description="Compile and run Transformer LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate a completion (greedy) for one prompt")
+    gen = sub.add_parser("generate", help="generate a completion for one prompt (greedy unless --temperature)")
     gen.add_argument("model", help=MODEL_HELP)
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
-    gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens (default 128)")
     gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object with text, ids and timing")
-    gen.add_argument("--max-context", type=int, default=2048, help="KV-cache length in tokens (default 2048)")
-    gen.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
-    gen.add_argument("--threads", type=int, default=0, help="artifact: intra-op threads (default: one per core)")
-    _add_pipeline_options(gen)
+    gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    gen.add_argument(
+        "--json", action="store_true", help="print the result as JSON (text, ids, logprobs, usage, timing)"
+    )
+    _add_engine_options(gen)
     gen.set_defaults(run=_generate)
+
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal, replies streamed")
+    chat.add_argument("model", help=MODEL_HELP)
+    chat.add_argument("--system", help="a system message to start the conversation with")
+    _add_engine_options(chat)
+    chat.set_defaults(run=_chat)
 
     comp = sub.add_parser("compile", help="compile a model into a deployable artifact directory")
     comp.add_argument("model", help=MODEL_HELP)
@@ -277,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    lowest = {"max_tokens": 1, "max_context": 1, "context": 1, "batch": 1, "window": 1, "stride": 1, "threads": 0}
+    lowest = {"max_context": 1, "context": 1, "batch": 1, "window": 1, "stride": 1, "threads": 0}
     for name, bound in lowest.items():
         value = getattr(args, name, None)
         if value is not None and value < bound:

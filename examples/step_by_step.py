@@ -13,6 +13,7 @@ from llmlower.backends.torch import TorchExecutor
 from llmlower.frontend import capture, load, resolve_model
 from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
 from llmlower.runtime import Engine, Tokenizer
+from llmlower.runtime.sampling import SamplingParams
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
         Tokenizer(files.tokenizer_json, files.config, files.chat_template),
         spec,
     )
-    [result] = engine.generate(["Explain a KV cache in one sentence."], max_tokens=48)
+    [result] = engine.generate(["Explain a KV cache in one sentence."], SamplingParams(temperature=0, max_tokens=48))
     print(result.text)
     print(f"finish_reason={result.finish_reason}, {result.timing.decode_tokens_per_s:.1f} tokens/s")
 

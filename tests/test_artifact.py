@@ -9,6 +9,7 @@ import pytest
 from llmlower.cli import main
 from llmlower.runtime import Engine
 from llmlower.runtime.artifact import FORMAT_VERSION, ArtifactError, write_artifact
+from llmlower.runtime.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +44,17 @@ def test_generate_runs_an_artifact_as_it_runs_the_checkpoint(artifact, tiny_llam
 
 
 def test_engine_load_needs_neither_torch_nor_transformers(artifact, without_torch):
-    expected = Engine.load(artifact).generate(["The quick brown fox"], max_tokens=6, chat=False)[0].token_ids
+    expected = (
+        Engine.load(artifact)
+        .generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=6), chat=False)[0]
+        .token_ids
+    )
     done = without_torch(
         f"""
-        from llmlower.runtime import Engine
+        from llmlower.runtime import Engine, SamplingParams
         engine = Engine.load({str(artifact)!r})
-        print(engine.generate(["The quick brown fox"], max_tokens=6, chat=False)[0].token_ids)
+        params = SamplingParams(temperature=0, max_tokens=6)
+        print(engine.generate(["The quick brown fox"], params, chat=False)[0].token_ids)
         """
     )
     assert done.returncode == 0, done.stderr

@@ -12,6 +12,7 @@ import transformers
 from llmlower.api import load_engine
 from llmlower.errors import GenerationError
 from llmlower.runtime import Engine, StepBatch, Tokenizer, pad_batch
+from llmlower.runtime.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,9 @@ def engine(tiny_llama):
 
 def test_batched_greedy_equals_transformers_generate(engine, tiny_llama):
     prompts = ["The quick brown fox", "def add(a, b):", "東京", "caches hold keys and values"]
-    results = engine.generate(prompts, max_tokens=12, chat=False)  # 4 prompts in waves of max_batch=2
+    results = engine.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12), chat=False
+    )  # 4 prompts in waves of max_batch=2
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
     for result in results:
         prompt = torch.tensor([result.prompt_token_ids])
@@ -40,11 +43,11 @@ def test_chat_prompt_uses_the_checkpoint_template(engine, tiny_llama):
 
 
 def test_stops_at_eos_or_max_tokens(engine):
-    free_run = engine.generate(["abc"], max_tokens=6, chat=False)[0]
+    free_run = engine.generate(["abc"], SamplingParams(temperature=0, max_tokens=6), chat=False)[0]
     assert free_run.finish_reason == "length" and len(free_run.token_ids) == 6
     third = free_run.token_ids[2]
     stopping = Engine(engine.executor, engine.tokenizer, replace(engine.spec, eos_token_ids=(third,)))
-    result = stopping.generate(["abc"], max_tokens=6, chat=False)[0]
+    result = stopping.generate(["abc"], SamplingParams(temperature=0, max_tokens=6), chat=False)[0]
     first_eos = free_run.token_ids.index(third)
     assert result.finish_reason == "stop"
     assert result.token_ids == free_run.token_ids[: first_eos + 1]
@@ -52,12 +55,12 @@ def test_stops_at_eos_or_max_tokens(engine):
 
 def test_prompt_longer_than_context_is_refused(engine):
     with pytest.raises(GenerationError, match=r"prompts\[0\] has \d+ tokens; the context holds 48"):
-        engine.generate(["word " * 80], max_tokens=4, chat=False)
+        engine.generate(["word " * 80], SamplingParams(temperature=0, max_tokens=4), chat=False)
 
 
 def test_invalid_max_tokens(engine):
-    with pytest.raises(GenerationError, match="max_tokens must be an integer >= 1"):
-        engine.generate(["abc"], max_tokens=0)
+    with pytest.raises(GenerationError, match="max_tokens must be"):
+        engine.generate(["abc"], SamplingParams(temperature=0, max_tokens=0))
 
 
 def test_pad_batch_right_pads_and_keeps_positions_in_range():
@@ -92,7 +95,7 @@ def test_tokenizer_without_chat_template(tiny_llama):
 def test_bfloat16_program_matches_transformers_in_bfloat16(tiny_llama):
     engine = load_engine(tiny_llama, dtype="bfloat16", max_batch=1, max_context=32)
     assert all(cache.dtype == torch.bfloat16 for cache in engine.executor.caches.values())
-    result = engine.generate(["The quick brown fox"], max_tokens=8, chat=False)[0]
+    result = engine.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8), chat=False)[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
     prompt = torch.tensor([result.prompt_token_ids])
     expected = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=4, pad_token_id=0)

@@ -16,6 +16,7 @@ from llmlower.frontend import example_gguf, load
 from llmlower.passes import build_pipeline, parse_quant, run_pipeline
 from llmlower.runtime import Engine
 from llmlower.runtime.perplexity import perplexity
+from llmlower.runtime.sampling import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.slow
 def test_greedy_chat_equals_transformers_generate(smollm2):
     engine = load_engine(smollm2, max_batch=3, max_context=256)
     assert engine.spec.num_kv_heads == 3 and engine.spec.num_heads == 9 and engine.spec.num_layers == 30
-    results = engine.generate(PROMPTS, max_tokens=32)
+    results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2).eval()
     reference_tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
     for prompt, result in zip(PROMPTS, results, strict=True):
@@ -88,8 +89,12 @@ def test_perplexity_of_quantized_pipelines(smollm2):
 
 def test_onnx_artifact_greedy_equals_the_torch_reference(smollm2, tmp_path):
     out = compile_artifact(smollm2, tmp_path / "smollm2-onnx-fp32")
-    from_artifact = Engine.load(out, max_batch=3, max_context=256).generate(PROMPTS, max_tokens=32)
-    reference = load_engine(smollm2, max_batch=3, max_context=256).generate(PROMPTS, max_tokens=32)
+    from_artifact = Engine.load(out, max_batch=3, max_context=256).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=32)
+    )
+    reference = load_engine(smollm2, max_batch=3, max_context=256).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=32)
+    )
     for prompt, ours, expected in zip(PROMPTS, from_artifact, reference, strict=True):
         assert ours.token_ids == expected.token_ids, prompt
 
