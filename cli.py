@@ -38,7 +38,9 @@ class RichReporter:
 def _pipeline(args: argparse.Namespace, all_logits: bool = False) -> list:
     from .passes import build_pipeline
 
-    return build_pipeline(args.passes, args.quant, args.keep, args.quant_embedding, all_logits=all_logits)
+    return build_pipeline(
+        args.passes, args.quant, args.keep, args.quant_embedding, all_logits=all_logits, lm_head_bits=args.lm_head_bits
+    )
 
 
 def _check_artifact_options(args: argparse.Namespace) -> None:
@@ -52,6 +54,7 @@ def _check_artifact_options(args: argparse.Namespace) -> None:
         "--quant": args.quant != "none",
         "--keep": args.keep,
         "--quant-embedding": args.quant_embedding,
+        "--lm-head-bits": args.lm_head_bits,
         "--dtype": args.dtype,
         "--verify": getattr(args, "verify", False),
     }
@@ -263,6 +266,7 @@ def _add_pipeline_options(parser: argparse.ArgumentParser) -> None:
         "--keep", action="append", default=[], help="keep in full precision: lm_head or a weight-name substring"
     )
     parser.add_argument("--quant-embedding", action="store_true", help="also quantize the embedding table")
+    parser.add_argument("--lm-head-bits", type=int, choices=[4, 8], help="LM head under --quant (default 8)")
     parser.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"], help="default float32 (compile for cuda: float16)"
     )

@@ -34,7 +34,14 @@ from llmlower.passes import build_pipeline
 from llmlower.runtime import Engine, Executor, StepBatch
 
 PEERS = Path(__file__).parent / "peers"
-ARTIFACTS = {"onnx fp32": "none", "onnx q8": "q8", "onnx q4g32": "q4g32"}  # row -> --quant
+# row -> (artifact directory name, build_pipeline options). The last row reads what onnxruntime-genai's
+# int4 model reads per token (symmetric int4, int4 LM head): the same bytes, at its perplexity cost.
+ARTIFACTS = {
+    "onnx fp32": ("none", {}),
+    "onnx q8": ("q8", {"quant": "q8"}),
+    "onnx q4g32": ("q4g32", {"quant": "q4g32"}),
+    "onnx q4g32-sym int4 head": ("q4g32-sym-head4", {"quant": "q4g32-sym", "lm_head_bits": 4}),
+}
 PROMPT_TOKENS = (13, 512)
 FILLER = (
     "Compilers for language models capture a graph, rewrite it with passes and lower it to kernels. "
@@ -93,14 +100,17 @@ def measure(prefill: Prefill, decode: Decode, prompts: dict[int, list[int]], new
 
 
 def onnx_artifact(
-    model: str, quant: str, directory: Path, threads: int, context: int, rebuild: bool
+    model: str, options: dict, directory: Path, threads: int, context: int, rebuild: bool
 ) -> tuple[Prefill, Decode]:
-    """An ONNX artifact of MODEL with `quant`, compiled into `directory` unless one with the same passes is
-    already there (--rebuild compiles anyway)."""
-    pipeline = build_pipeline(quant=quant)
+    """An ONNX artifact of MODEL with build_pipeline `options`, compiled into `directory` unless one with the
+    same passes and pass options is already there (--rebuild compiles anyway)."""
+    pipeline = build_pipeline(**options)
     manifest = directory / "manifest.json"
-    names = [p if isinstance(p, str) else p[0] for p in pipeline]
-    if rebuild or not manifest.exists() or [p["name"] for p in json.loads(manifest.read_text())["pipeline"]] != names:
+    wanted = [(p, {}) if isinstance(p, str) else (p[0], p[1]) for p in pipeline]
+    built = (
+        [(p["name"], p["options"]) for p in json.loads(manifest.read_text())["pipeline"]] if manifest.exists() else []
+    )
+    if rebuild or built != wanted:
         compile_artifact(model, directory, pipeline)
     return llmlower_executor(Engine.load(directory, max_batch=1, max_context=context, threads=threads).executor)
 
@@ -113,7 +123,9 @@ def peer(name: str, model: Path, prompts: dict[int, list[int]], new_tokens: int,
         f.flush()
         command = [str(python), str(PEERS / f"{name}.py"), "--model", str(model), "--prompts", f.name]
         command += ["--new-tokens", str(new_tokens), "--repeats", str(repeats), "--threads", str(threads)]
-        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{name}.py failed ({done.returncode}):\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -154,9 +166,10 @@ def main() -> None:
         "transformers eager fp32": lambda: transformers_eager(loaded.module),
         "llmlower torch fp32": lambda: llmlower_executor(TorchExecutor(program, max_batch=1, max_context=context)),
     }
-    for row, quant in ARTIFACTS.items():
-        directory = artifacts / quant
-        engines[row] = lambda q=quant, d=directory: onnx_artifact(args.model, q, d, args.threads, context, args.rebuild)
+    for row, (name, options) in ARTIFACTS.items():
+        engines[row] = lambda o=options, d=artifacts / name: onnx_artifact(
+            args.model, o, d, args.threads, context, args.rebuild
+        )
     peers = peer_models() if args.model == "example" else {}
     wanted = set(args.only.split(",")) if args.only else set(engines) | set(peers)
     rows = {}

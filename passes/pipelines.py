@@ -40,9 +40,11 @@ def build_pipeline(
     keep: Sequence[str] = (),
     quantize_embedding: bool = False,
     all_logits: bool = False,
+    lm_head_bits: int | None = None,
 ) -> list[PassSpec]:
-    """The pass list for `passes` (comma-separated names, default DEFAULT_PIPELINE) and the quant options.
-    `all_logits` leaves out last_token_logits (perplexity scores every position)."""
+    """The pass list for `passes` (comma-separated names, default DEFAULT_PIPELINE) and the quant options
+    (`lm_head_bits`: 8 or 4 for the LM head, default 8). `all_logits` leaves out last_token_logits
+    (perplexity scores every position)."""
     names = list(DEFAULT_PIPELINE) if passes is None else passes
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
@@ -51,13 +53,15 @@ def build_pipeline(
             raise PassError(f"--passes: unknown pass {name!r} (registered: {', '.join(PASSES)})")
     pipeline: list[PassSpec] = [n for n in names if not (all_logits and n == "last_token_logits")]
     options = parse_quant(quant)
-    if options is None and (keep or quantize_embedding):
-        raise PassError("--keep and --quant-embedding need --quant")
+    if options is None and (keep or quantize_embedding or lm_head_bits):
+        raise PassError("--keep, --quant-embedding and --lm-head-bits need --quant")
     if options is not None:
         options.update(
             keep_lm_head="lm_head" in keep,
             keep=[k for k in keep if k != "lm_head"],
             quantize_embedding=quantize_embedding,
         )
+        if lm_head_bits is not None:
+            options["lm_head_bits"] = lm_head_bits
         pipeline.append(("quantize_weights", options))
     return pipeline

@@ -72,6 +72,9 @@ def test_build_pipeline():
             "quantize_embedding": False,
         },
     )
+    assert build_pipeline(quant="q4g32-sym", lm_head_bits=4)[-1][1]["lm_head_bits"] == 4
+    with pytest.raises(PassError, match="need --quant"):
+        build_pipeline(lm_head_bits=4)
     assert "last_token_logits" not in build_pipeline(all_logits=True)
     assert build_pipeline("canonicalize, kv_cache") == ["canonicalize", "kv_cache"]
     with pytest.raises(PassError, match="unknown pass 'fuse_all'"):
