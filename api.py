@@ -99,7 +99,7 @@ def text_perplexity(
         loaded, program = compile_program(model, pipeline, dtype=dtype)
         window = min(window, program.spec.max_positions)
         executor, tokenizer = TorchExecutor(program, max_batch=1, max_context=window), tokenizer_of(loaded)
-        history = [{"name": r.name, "options": r.options, "stats": r.stats} for r in program.history]
+        history = [record.to_dict() for record in program.history]
     ids = tokenizer.encode(text, add_special_tokens=False)
     result = perplexity(executor.prompt_logits, ids, window=window, stride=stride or window // 2)
     return result, history

@@ -8,7 +8,7 @@ runs torch.export again (seconds on a real model, so only when someone needs it)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -60,6 +60,10 @@ class PassRecord:
     stats: dict[str, Any]
     seconds: float
     max_error: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON data (an artifact's manifest lists the pipeline this way)."""
+        return asdict(self)
 
 
 @dataclass

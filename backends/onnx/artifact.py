@@ -51,9 +51,7 @@ def build(
         "providers": PROVIDERS[target],
         "dtype": spec.dtype,
         "spec": spec.to_dict(),
-        "pipeline": [
-            {"name": r.name, "options": r.options, "stats": r.stats, "seconds": r.seconds} for r in program.history
-        ],
+        "pipeline": [record.to_dict() for record in program.history],
         "kv_layout": {
             "kind": "contiguous",
             "shape": ["batch", "kv_heads", "context", "head_dim"],
