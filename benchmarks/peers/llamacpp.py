@@ -5,15 +5,13 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 import time
 
 import llama_cpp
 import numpy as np
 from llama_cpp import Llama
+from runner import parse, report
 
 
 def last_logits(llm: Llama) -> np.ndarray:
@@ -49,16 +47,7 @@ def decode_speed(llm: Llama, ids: list[int], new_tokens: int) -> float:
 
 def main() -> None:
     """Parse the arguments, measure, print the JSON line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="GGUF file")
-    parser.add_argument("--prompts", required=True, help='JSON {"13": [ids], "512": [ids]}')
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-
-    with open(args.prompts) as f:
-        prompts = {int(n): ids for n, ids in json.load(f).items()}
+    args, prompts = parse(__doc__.splitlines()[0], "GGUF file")
     longest = max(len(ids) for ids in prompts.values())
     batch = max(512, longest)  # the longest prompt goes through in one batch
     llm = Llama(
@@ -71,23 +60,14 @@ def main() -> None:
         verbose=False,
     )  # flash_attn off, f16 KV cache: llama-cpp-python's defaults
     print(f"[llamacpp] {llama_cpp.llama_print_system_info().decode().strip()}", file=sys.stderr)
-
-    ttft: dict[int, list[float]] = {n: [] for n in prompts}
-    speeds = []
-    for repeat in range(args.repeats):
-        for n, ids in prompts.items():
-            ttft[n].append(prefill_time(llm, ids))
-        speeds.append(decode_speed(llm, prompts[min(prompts)], args.new_tokens))
-        print(f"[llamacpp] repeat {repeat}: {speeds[-1]:.1f} tok/s", file=sys.stderr)
-    print(
-        json.dumps(
-            {
-                "decode_tokens_per_s": statistics.median(speeds),
-                **{f"ttft_{n}_s": statistics.median(times) for n, times in ttft.items()},
-                "engine": "llama.cpp (llama-cpp-python)",
-                "version": llama_cpp.__version__,
-            }
-        )
+    report(
+        "llamacpp",
+        "llama.cpp (llama-cpp-python)",
+        llama_cpp.__version__,
+        prompts,
+        args,
+        lambda ids: prefill_time(llm, ids),
+        lambda ids, new_tokens: decode_speed(llm, ids, new_tokens),
     )
 
 

@@ -5,15 +5,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
-import sys
 import time
 
 import numpy as np
 import onnxruntime
 import onnxruntime_genai as og
+from runner import parse, report
 
 
 def load_model(path: str, threads: int) -> og.Model:
@@ -57,35 +55,17 @@ def decode_speed(model: og.Model, ids: list[int], new_tokens: int, max_length: i
 
 def main() -> None:
     """Parse the arguments, measure, print the JSON line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="ORT GenAI model folder (genai_config.json)")
-    parser.add_argument("--prompts", required=True, help='JSON {"13": [ids], "512": [ids]}')
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-
-    with open(args.prompts) as f:
-        prompts = {int(n): ids for n, ids in json.load(f).items()}
+    args, prompts = parse(__doc__.splitlines()[0], "ORT GenAI model folder (genai_config.json)")
     max_length = max(len(ids) for ids in prompts.values()) + args.new_tokens
     model = load_model(args.model, args.threads)
-
-    ttft: dict[int, list[float]] = {n: [] for n in prompts}
-    speeds = []
-    for repeat in range(args.repeats):
-        for n, ids in prompts.items():
-            ttft[n].append(prefill_time(model, ids, max_length))
-        speeds.append(decode_speed(model, prompts[min(prompts)], args.new_tokens, max_length))
-        print(f"[ortgenai] repeat {repeat}: {speeds[-1]:.1f} tok/s", file=sys.stderr)
-    print(
-        json.dumps(
-            {
-                "decode_tokens_per_s": statistics.median(speeds),
-                **{f"ttft_{n}_s": statistics.median(times) for n, times in ttft.items()},
-                "engine": "onnxruntime-genai",
-                "version": f"{og.__version__} (onnxruntime {onnxruntime.__version__})",
-            }
-        )
+    report(
+        "ortgenai",
+        "onnxruntime-genai",
+        f"{og.__version__} (onnxruntime {onnxruntime.__version__})",
+        prompts,
+        args,
+        lambda ids: prefill_time(model, ids, max_length),
+        lambda ids, new_tokens: decode_speed(model, ids, new_tokens, max_length),
     )
 
 

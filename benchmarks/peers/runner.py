@@ -1,0 +1,52 @@
+"""What both peer runners share: their command line, the prompts file, the repeat loop and the JSON line.
+
+Standard library only, so each runner imports it from its own virtual environment (it sits beside them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+
+def parse(description: str, model_help: str) -> tuple[argparse.Namespace, dict[int, list[int]]]:
+    """The runner's arguments and its prompts: {prompt length: token ids} from --prompts."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", required=True, help=model_help)
+    parser.add_argument("--prompts", required=True, help='JSON {"13": [ids], "512": [ids]}')
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    with open(args.prompts) as f:
+        return args, {int(n): ids for n, ids in json.load(f).items()}
+
+
+def report(
+    name: str,
+    engine: str,
+    version: str,
+    prompts: dict[int, list[int]],
+    args: argparse.Namespace,
+    prefill_time: Callable[[list[int]], float],
+    decode_speed: Callable[[list[int], int], float],
+) -> None:
+    """Each repeat times every prompt's prefill, then the decode after the shortest prompt, as
+    benchmarks/speed.py does; prints the medians as one JSON line (progress on stderr)."""
+    ttft: dict[int, list[float]] = {n: [] for n in prompts}
+    speeds = []
+    for repeat in range(args.repeats):
+        for n, ids in prompts.items():
+            ttft[n].append(prefill_time(ids))
+        speeds.append(decode_speed(prompts[min(prompts)], args.new_tokens))
+        print(f"[{name}] repeat {repeat}: {speeds[-1]:.1f} tok/s", file=sys.stderr)
+    row = {
+        "decode_tokens_per_s": statistics.median(speeds),
+        **{f"ttft_{n}_s": statistics.median(times) for n, times in ttft.items()},
+        "engine": engine,
+        "version": version,
+    }
+    print(json.dumps(row))
