@@ -53,16 +53,31 @@ def compile_artifact(
     backend: str = "onnx",
     target: str = "cpu",
     dtype: str | None = None,
-    accuracy_level: int = 4,
+    accuracy_level: int | None = None,
+    cuda_arch: str | None = None,
+    cpu: str | None = None,
     verify: bool = False,
 ) -> Path:
-    """Compile MODEL into a deployable artifact directory at `output` (written atomically). The dtype
-    defaults to float32 on cpu and float16 on cuda."""
-    if backend != "onnx":
-        raise LlmlowerError(f"--backend {backend!r}: available backends are onnx (torch runs without compiling)")
-    from .backends.onnx.artifact import build, check_target
+    """Compile MODEL into a deployable artifact directory at `output` (written atomically) with the onnx backend
+    (`accuracy_level`: MatMulNBits', default 4) or the tvm one (`cuda_arch` for cuda, e.g. sm_90; `cpu`: the
+    LLVM CPU name, default this machine's). The dtype defaults to float32 on cpu and float16 on cuda."""
+    if backend == "onnx":
+        from .backends.onnx.artifact import build, check_target
 
-    check_target(target)  # before the minutes of capture and passes
+        if cuda_arch or cpu:
+            raise LlmlowerError("--cuda-arch and --cpu are options of --backend tvm")
+        check_target(target)  # before the minutes of capture and passes
+        options = {"accuracy_level": 4 if accuracy_level is None else accuracy_level}
+    elif backend == "tvm":
+        from .backends.tvm import check_target
+        from .backends.tvm.artifact import build
+
+        if accuracy_level is not None:
+            raise LlmlowerError("--accuracy-level is an option of --backend onnx")
+        check_target(target, cuda_arch)
+        options = {"cuda_arch": cuda_arch, "cpu": cpu}
+    else:
+        raise LlmlowerError(f"--backend {backend!r}: available backends are onnx, tvm (torch runs without compiling)")
     dtype = dtype or ("float16" if target == "cuda" else "float32")
     loaded, program = compile_program(model, pipeline, dtype=dtype, verify=verify)
 
@@ -70,7 +85,7 @@ def compile_artifact(
         loaded.tokenizer.write(directory)
         loaded.module.generation_config.to_json_file(directory / "generation_config.json")
 
-    return build(program, output, target=target, accuracy_level=accuracy_level, write_extra=write_model_files)
+    return build(program, output, target=target, write_extra=write_model_files, **options)
 
 
 def tokenizer_of(loaded: LoadedModel) -> Tokenizer:

@@ -201,6 +201,8 @@ def _compile(args: argparse.Namespace) -> int:
         target=args.target,
         dtype=args.dtype,
         accuracy_level=args.accuracy_level,
+        cuda_arch=args.cuda_arch,
+        cpu=args.cpu,
         verify=args.verify,
     )
     manifest = read_manifest(out, verify=False)
@@ -329,15 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="compile a model into a deployable artifact directory")
     comp.add_argument("model", help=MODEL_HELP)
     comp.add_argument("-o", "--output", required=True, help="the artifact directory to write")
-    comp.add_argument("--backend", default="onnx", choices=["onnx"], help="onnx: ONNX Runtime")
+    comp.add_argument("--backend", default="onnx", choices=["onnx", "tvm"], help="onnx: ONNX Runtime; tvm: Apache TVM")
     comp.add_argument("--target", default="cpu", help="cpu or cuda")
     comp.add_argument(
         "--accuracy-level",
         type=int,
-        default=4,
         choices=range(5),
-        help="MatMulNBits compute type on CPU: 4 = int8 activations (default, fastest), 0 = float32",
+        help="onnx: MatMulNBits compute type on CPU: 4 = int8 activations (default, fastest), 0 = float32",
     )
+    comp.add_argument("--cuda-arch", help="tvm, cuda: GPU architecture to build for (sm_80 default, sm_89, sm_90)")
+    comp.add_argument("--cpu", help="tvm, cpu: LLVM CPU name to build for (default: this machine's, e.g. znver3)")
     comp.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
     _add_pipeline_options(comp)
     comp.set_defaults(run=_compile)

@@ -104,16 +104,22 @@ class Program:
         """This program if its metadata is fresh, else a re-exported copy."""
         return self if self.fresh_meta else self.reexport()
 
-    def export(self) -> torch.export.ExportedProgram:
-        """torch.export of the current graph, dynamic in every named dimension."""
+    def export(self, fixed: dict[str, int] | None = None) -> torch.export.ExportedProgram:
+        """torch.export of the current graph, dynamic in every named dimension but those `fixed` to a size
+        (e.g. {"tokens": 1}: a decode-only graph)."""
+        fixed = fixed or {}
         dims = {
             "batch": torch.export.Dim("batch", min=1, max=_MAX_BATCH),
             "tokens": torch.export.Dim("tokens", min=1, max=self.spec.max_positions),
             "context": torch.export.Dim("context", min=1, max=self.spec.max_positions),
         }
-        example = example_inputs(self, batch=2, tokens=5, context=7)
+        sizes = {"batch": 2, "tokens": 5, "context": 7} | fixed
+        example = example_inputs(self, **sizes)
         args = tuple(example[t.name] for t in self.inputs)
-        dynamic = tuple({axis: dims[d] for axis, d in enumerate(t.shape) if isinstance(d, str)} for t in self.inputs)
+        dynamic = tuple(
+            {axis: dims[d] for axis, d in enumerate(t.shape) if isinstance(d, str) and d not in fixed}
+            for t in self.inputs
+        )
         with torch.no_grad():
             return torch.export.export(self.graph_module, args, dynamic_shapes=dynamic, strict=False)
 

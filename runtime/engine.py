@@ -18,9 +18,10 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..spec import ModelSpec
-from .artifact import MANIFEST, ArtifactError, read_manifest
+from .artifact import read_manifest
 from .detokenizer import StreamDelta, TextStream
 from .executor import Executor, StepBatch
+from .executors import load_executor
 from .sampling import Sampler, SamplingParams, SequenceSampling
 from .tokenizer import Message, Tokenizer
 
@@ -111,12 +112,7 @@ class Engine:
         manifest = read_manifest(artifact)
         spec = ModelSpec.from_dict(manifest["spec"])
         context = min(max_context or spec.max_positions, spec.max_positions)
-        if manifest.get("backend") != "onnx":
-            raise ArtifactError(f"{artifact / MANIFEST}: backend {manifest.get('backend')!r} has no executor here")
-        from .executors.onnx import OnnxExecutor
-
-        model = str(artifact / manifest["entry_points"]["step"]["file"])
-        executor = OnnxExecutor(model, max_batch, context, providers=manifest["providers"], threads=threads)
+        executor = load_executor(artifact, manifest, max_batch, context, threads)
         return cls(executor, Tokenizer.from_dir(artifact), spec)
 
     def prompt_token_ids(self, prompt: Prompt, chat: bool = True) -> list[int]:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import onnx
 
-from ... import __version__
 from ...errors import LlmlowerError
 from ...ir.program import Program
 from ...progress import stage
 from ...runtime.artifact import write_artifact
+from ..manifest import program_manifest
 from .export import to_onnx
 
 MODEL_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
@@ -45,13 +45,8 @@ def build(
 
     spec = program.spec
     manifest = {
-        "toolkit_version": __version__,
-        "backend": "onnx",
-        "target": target,
+        **program_manifest(program, "onnx", target),
         "providers": PROVIDERS[target],
-        "dtype": spec.dtype,
-        "spec": spec.to_dict(),
-        "pipeline": [record.to_dict() for record in program.history],
         "kv_layout": {
             "kind": "contiguous",
             "shape": ["batch", "kv_heads", "context", "head_dim"],

@@ -11,6 +11,8 @@ step is run one sequence at a time.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -67,6 +69,13 @@ class OnnxExecutor(Executor):
         self.binding = self.session.io_binding()
         self.binding.bind_output(LOGITS, "cpu")  # bound first: get_outputs()[0]
         self.bound_rows: tuple[int, int] | None = None  # (first slot, count) the caches are bound for
+
+    @classmethod
+    def from_artifact(
+        cls, artifact: Path, manifest: dict[str, Any], max_batch: int, max_context: int, threads: int = 0
+    ) -> OnnxExecutor:
+        model = str(artifact / manifest["entry_points"]["step"]["file"])
+        return cls(model, max_batch, max_context, providers=manifest["providers"], threads=threads)
 
     def step(self, batch: StepBatch) -> np.ndarray:
         if len(batch.slots) > 1 and any(batch.past_lens) and max(len(t) for t in batch.tokens) > 1:

@@ -1,0 +1,71 @@
+"""Build a TVM artifact: the compiled library (model.so, device code included for cuda), the weights beside it
+(weights.safetensors, never baked into the library) and manifest.json."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import safetensors.numpy
+
+from ...errors import LlmlowerError
+from ...ir.program import Program
+from ...progress import stage
+from ...runtime.artifact import write_artifact
+from ...runtime.executors.tvm import PAGE_SIZE
+from ..manifest import program_manifest
+from .compile import compile_module, tvm_target
+from .relax_import import KV_CACHE, PADDED_ROWS, RAGGED_ROWS, STEP_FUNCTIONS, to_relax
+
+LIBRARY, WEIGHTS = "model.so", "weights.safetensors"
+
+
+def build(
+    program: Program,
+    directory: str | Path,
+    target: str = "cpu",
+    cuda_arch: str | None = None,
+    cpu: str | None = None,
+    write_extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Lower and compile `program` for `target` and write it (and whatever `write_extra` adds) as an artifact."""
+    tvm_tgt = tvm_target(target, cuda_arch, cpu)
+    if not program.has_kv_cache:
+        raise LlmlowerError("the tvm backend needs a program with a KV cache (the kv_cache pass)")
+    with stage("lower to Relax (from_exported_program, paged KV cache)"):
+        model = to_relax(program, tvm_tgt)
+    with stage(f"compile with TVM for {tvm_tgt.kind.name} ({tvm_tgt.attrs.get('arch') or tvm_tgt.attrs['mcpu']})"):
+        executable = compile_module(model.module, tvm_tgt)
+
+    def write(staging: Path) -> None:
+        with stage("write the library and its weights"):
+            executable.export_library(str(staging / LIBRARY))
+            safetensors.numpy.save_file(model.params, str(staging / WEIGHTS))
+        if write_extra is not None:
+            write_extra(staging)
+
+    spec = program.spec
+    data_inputs = [t.to_dict() for t in program.inputs if not t.name.startswith(("k_cache_", "v_cache_"))]
+    inputs = [*data_inputs, {"name": KV_CACHE}, {"name": RAGGED_ROWS}, {"name": PADDED_ROWS}]
+    logits = program.outputs[program.output_names.index("logits")].to_dict()
+    manifest = {
+        **program_manifest(program, "tvm", target),
+        "tvm": {
+            "target": str(tvm_tgt),
+            "cuda_arch": tvm_tgt.attrs.get("arch"),
+            "cpu": (tvm_tgt.host or tvm_tgt).attrs.get("mcpu"),
+            "rope_in_cache": model.cache_rotates,
+        },
+        "kv_layout": {
+            "kind": "tvm_paged",
+            "page_size": PAGE_SIZE,
+            "layers": spec.num_layers,
+            "kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+        },
+        "entry_points": {
+            name: {"file": LIBRARY, "function": name, "inputs": inputs, "outputs": [logits]} for name in STEP_FUNCTIONS
+        },
+        "weights": {"file": WEIGHTS, "order": list(model.params)},
+    }
+    return write_artifact(directory, write, manifest)

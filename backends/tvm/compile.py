@@ -1,0 +1,82 @@
+"""Targets and the Relax build: TVM's own pipeline for the target with DLight schedules added.
+
+cpu -> llvm with the host CPU (`-mcpu`, detected, overridable); cuda -> the CUDA codegen for an architecture
+(sm_80, sm_89, sm_90, ...), which builds here without a GPU. On CUDA the DLight GPU rules schedule every
+kernel; on CPU the DLight CPU rules schedule the GEMVs and reductions (decode) and the rest keeps TVM's
+default loops. Transposed weights are read in place (FuseTransposeMatmul), never transposed per step.
+"""
+
+from __future__ import annotations
+
+import re
+
+import tvm
+from tvm import relax
+from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+from tvm.relax.backend.cuda import pipeline as cuda
+from tvm.relax.transform.fuse_transpose_matmul import FuseTransposeMatmul
+from tvm.s_tir import dlight
+
+from ...errors import LlmlowerError
+
+TARGETS = ("cpu", "cuda")
+CUDA_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+DEFAULT_CUDA_ARCH = "sm_80"
+
+
+def check_target(target: str, cuda_arch: str | None = None) -> None:
+    if target not in TARGETS:
+        raise LlmlowerError(f"--target {target!r}: the tvm backend builds for {', '.join(TARGETS)}")
+    if cuda_arch is not None and target != "cuda":
+        raise LlmlowerError("--cuda-arch applies to --target cuda only")
+    if cuda_arch is not None and not re.fullmatch(r"sm_\d{2,3}a?", cuda_arch):
+        raise LlmlowerError(f"--cuda-arch {cuda_arch!r}: expected an architecture like {', '.join(CUDA_ARCHS)}")
+
+
+def host_cpu() -> str:
+    """LLVM's name for this machine's CPU (e.g. znver3, skylake-avx512)."""
+    return tvm.target.codegen.llvm_get_system_cpu()
+
+
+def tvm_target(target: str, cuda_arch: str | None = None, cpu: str | None = None) -> tvm.target.Target:
+    """The TVM target for llmlower's `target` word; cuda gets an llvm host for its launch code."""
+    check_target(target, cuda_arch)
+    host = {"kind": "llvm", "mcpu": cpu or host_cpu()}
+    if target == "cpu":
+        return tvm.target.Target(host)
+    return tvm.target.Target({"kind": "cuda", "arch": cuda_arch or DEFAULT_CUDA_ARCH, "host": host})
+
+
+def _schedules(target: tvm.target.Target) -> tvm.transform.Pass:
+    if target.kind.name == "cuda":
+        rules = (
+            dlight.gpu.Matmul(),
+            dlight.gpu.GEMV(),
+            dlight.gpu.LowBatchGEMV(),
+            dlight.gpu.Reduction(),
+            dlight.gpu.GeneralReduction(),
+            dlight.gpu.Fallback(),
+        )
+    else:
+        rules = (dlight.cpu.GEMV(), dlight.cpu.Reduction())
+    return dlight.ApplyDefaultSchedule(*rules)
+
+
+def pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+    """TVM's default lowering for the target's kind, with DLight scheduling after fusion."""
+    backend = cuda if target.kind.name == "cuda" else cpu_generic
+    return tvm.transform.Sequential(
+        [
+            FuseTransposeMatmul(),
+            *backend.library_dispatch_passes(target),
+            *cpu_generic.legalize_passes(target),  # LegalizeOps .. FuseTIR (CUDA's adds a fixed DLight set)
+            _schedules(target),
+            *backend.dataflow_lower_passes(target),
+            *backend.finalize_passes(target),
+        ]
+    )
+
+
+def compile_module(module: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:
+    with target:
+        return tvm.compile(module, target=target, relax_pipeline=pipeline(target))

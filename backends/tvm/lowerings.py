@@ -1,0 +1,198 @@
+"""Relax lowerings of the op set: one converter per op for `from_exported_program(custom_convert_map=...)`.
+
+A converter gets the FX node and the importer (a `StepImporter`, which holds the paged KV cache and the
+ragged-row indices of the step) and emits Relax. Attention goes to TVM's paged KV cache; `qlinear` is one
+TE function that dequantizes inside the matmul's reduction, the form DLight's GEMV/matmul rules schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch.fx
+from tvm import relax, te, tirx
+
+from ...ir import ADD_RMS_NORM, ATTENTION, QEMBEDDING, QKV_ATTENTION, QLINEAR, RMS_NORM, ROPE, SILU_MUL
+
+if TYPE_CHECKING:
+    from .relax_import import StepImporter
+
+Converter = Callable[[torch.fx.Node, "StepImporter"], relax.Expr]
+FUSED_QKV_ATTENTION = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
+
+
+def _emit(importer: StepImporter, expr: relax.Expr) -> relax.Var:
+    return importer.block_builder.emit(expr)
+
+
+def _last(x: relax.Expr) -> int:
+    """The last axis as a non-negative number (Relax's dynamic-shape slicing wants one)."""
+    return x.ty.ndim - 1
+
+
+def rms_norm(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    x, weight, eps = importer.retrieve_args(node)
+    return _emit(importer, relax.op.nn.rms_norm(x, weight, axes=-1, epsilon=eps))
+
+
+def add_rms_norm(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    x, residual, weight, eps = importer.retrieve_args(node)
+    total = _emit(importer, relax.op.add(x, residual))
+    normed = _emit(importer, relax.op.nn.rms_norm(total, weight, axes=-1, epsilon=eps))
+    return relax.Tuple([normed, total])
+
+
+def silu_mul(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    (x,) = importer.retrieve_args(node)
+    halves = _emit(importer, relax.op.split(x, 2, axis=_last(x)))
+    gate, up = (_emit(importer, relax.TupleGetItem(halves, i)) for i in range(2))
+    return _emit(importer, relax.op.multiply(relax.op.nn.silu(gate), up))
+
+
+def _rotate(importer: StepImporter, x: relax.Expr, cos: relax.Expr, sin: relax.Expr) -> relax.Var:
+    """x * cos + rotate_half(x) * sin over the last axis."""
+    halves = _emit(importer, relax.op.split(x, 2, axis=_last(x)))
+    first, second = (_emit(importer, relax.TupleGetItem(halves, i)) for i in range(2))
+    rotated = _emit(importer, relax.op.concat([relax.op.negative(second), first], axis=_last(x)))
+    return _emit(importer, relax.op.add(relax.op.multiply(x, cos), relax.op.multiply(rotated, sin)))
+
+
+def rope(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    x, cos, sin = importer.retrieve_args(node)
+    return _rotate(importer, x, cos, sin)
+
+
+def _layer(node: torch.fx.Node) -> int:
+    """The layer an attention node belongs to, from the name of its key cache input (k_cache_<layer>)."""
+    return int(node.args[1 if node.target == QKV_ATTENTION.overload else 3].name.rsplit("_", 1)[1])
+
+
+def _cache_attention(
+    importer: StepImporter, layer: int, qkv: relax.Expr, heads: int, scale: float
+) -> tuple[relax.Var, relax.Expr, relax.Expr]:
+    """Attention of padded qkv [batch, tokens, heads + 2 kv_heads, head_dim] through the paged KV cache,
+    which takes the step's tokens ragged (only real ones, sequence after sequence); returns the output
+    [batch, tokens, heads, head_dim] (padded positions hold another token's output) and batch, tokens."""
+    batch, tokens, all_heads, head_dim = qkv.ty.shape
+    rows = _emit(importer, relax.op.reshape(qkv, [batch * tokens, all_heads, head_dim]))
+    ragged = _emit(importer, relax.op.take(rows, importer.ragged_rows, axis=0))
+    count = ragged.ty.shape[0]
+    out = _emit(
+        importer,
+        relax.call_dps_packed(
+            FUSED_QKV_ATTENTION,
+            [importer.kv_cache, relax.prim_value(layer), relax.prim_value(float(scale)), ragged],
+            out_ty=relax.TensorType((count, heads, head_dim), qkv.ty.dtype),
+        ),
+    )
+    padded = _emit(importer, relax.op.take(out, importer.padded_rows, axis=0))
+    return _emit(importer, relax.op.reshape(padded, [batch, tokens, heads, head_dim])), batch, tokens
+
+
+def attention(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    """q [B, H, T, D] and k, v [B, KV, T, D], already rotated: concatenated into the cache's fused qkv."""
+    q, k, v, _, _, _, _, scale, *_ = importer.retrieve_args(node)
+    qkv = _emit(importer, relax.op.permute_dims(relax.op.concat([q, k, v], axis=1), [0, 2, 1, 3]))
+    out, _, _ = _cache_attention(importer, _layer(node), qkv, int(q.ty.shape[1]), scale)
+    out = _emit(importer, relax.op.permute_dims(out, [0, 2, 1, 3]))
+    return relax.Tuple([out, importer.kv_cache, importer.kv_cache])  # the updated caches live in the cache
+
+
+def qkv_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    """Fused qkv [B, T, (H + 2 KV) * D]: the cache rotates q and k itself where its rope matches the
+    program's tables (importer.cache_rotates), otherwise the tables rotate them here first."""
+    qkv, _, _, _, _, cos_table, sin_table, heads, kv_heads, scale, *_ = importer.retrieve_args(node)
+    head_dim = importer.spec.head_dim
+    batch, tokens, _ = qkv.ty.shape
+    qkv = _emit(importer, relax.op.reshape(qkv, [batch, tokens, heads + 2 * kv_heads, head_dim]))
+    if not importer.cache_rotates:
+        positions = importer.position_ids
+        cos, sin = (_emit(importer, relax.op.take(t, positions, axis=0)) for t in (cos_table, sin_table))
+        cos, sin = (_emit(importer, relax.op.expand_dims(relax.op.concat([t, t], 2), 2)) for t in (cos, sin))
+        parts = _emit(importer, relax.op.split(qkv, [heads + kv_heads], axis=2))
+        rotated = _rotate(importer, _emit(importer, relax.TupleGetItem(parts, 0)), cos, sin)
+        qkv = _emit(importer, relax.op.concat([rotated, relax.TupleGetItem(parts, 1)], axis=2))
+    out, batch, tokens = _cache_attention(importer, _layer(node), qkv, heads, scale)
+    out = _emit(importer, relax.op.reshape(out, [batch, tokens, heads * head_dim]))
+    return relax.Tuple([out, importer.kv_cache, importer.kv_cache])
+
+
+def _dequantized(qweight: te.Tensor, scales: te.Tensor, zeros: te.Tensor | None, bits: int, width: int):
+    """A TE expression builder w(n, k) for the float weight of a quantized one (ir/quant.py's layout:
+    qweight [N, blocks, bytes per block], nibbles low first; zeros None, float [N, blocks] or nibbles)."""
+    per_byte = 8 // bits
+    group = int(qweight.shape[2]) * per_byte
+
+    def weight(n: tirx.PrimExpr, k: tirx.PrimExpr) -> tirx.PrimExpr:
+        block, offset = k // group, k % group
+        byte = qweight[n, block, offset // per_byte]
+        q = (byte >> ((offset % per_byte) * 4).astype("uint8")) & 15 if bits == 4 else byte
+        if zeros is None:
+            zero = tirx.const(2 ** (bits - 1), scales.dtype)
+        elif zeros.dtype == "uint8":
+            zero = ((zeros[n, block // 2] >> ((block % 2) * 4).astype("uint8")) & 15).astype(scales.dtype)
+        else:
+            zero = zeros[n, block]
+        return (q.astype(scales.dtype) - zero) * scales[n, block]
+
+    return weight
+
+
+def _qlinear_te(x: te.Tensor, qweight, scales, zeros, bias, bits: int, in_features: int) -> te.Tensor:
+    weight = _dequantized(qweight, scales, zeros, bits, in_features)
+    w = te.compute((qweight.shape[0], in_features), weight, name="dequantize")
+    k = te.reduce_axis((0, in_features), name="k")
+    out = te.compute(
+        (*x.shape[:-1], qweight.shape[0]),
+        lambda *i: te.sum(x[(*i[:-1], k)] * w[i[-1], k].astype(x.dtype), axis=k),
+        name="matmul",
+    )
+    if bias is None:
+        return out
+    return te.compute(out.shape, lambda *i: out[i] + bias[i[-1]], name="bias_add")
+
+
+def qlinear(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    x, qweight, scales, zeros, bias, bits, in_features = importer.retrieve_args(node)
+    tensors = [x, qweight, scales] + [t for t in (zeros, bias) if t is not None]
+
+    def compute(x, qweight, scales, *rest):
+        rest = list(rest)
+        z = rest.pop(0) if zeros is not None else None
+        b = rest.pop(0) if bias is not None else None
+        return _qlinear_te(x, qweight, scales, z, b, bits, in_features)
+
+    return importer.block_builder.emit_te(
+        compute, *tensors, primfunc_name_hint=f"{importer.kernel_prefix}dequantize_matmul"
+    )
+
+
+def qembedding(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    ids, qweight, scales, zeros, bits, dim = importer.retrieve_args(node)
+    tensors = [ids, qweight, scales] + ([zeros] if zeros is not None else [])
+
+    def compute(ids, qweight, scales, zeros=None):
+        weight = _dequantized(qweight, scales, zeros, bits, dim)
+        return te.compute((*ids.shape, dim), lambda *i: weight(ids[i[:-1]], i[-1]), name="dequantize_take")
+
+    return importer.block_builder.emit_te(
+        compute, *tensors, primfunc_name_hint=f"{importer.kernel_prefix}dequantize_take"
+    )
+
+
+CONVERTERS: dict[str, Converter] = {
+    RMS_NORM.name: rms_norm,
+    ADD_RMS_NORM.name: add_rms_norm,
+    SILU_MUL.name: silu_mul,
+    ROPE.name: rope,
+    ATTENTION.name: attention,
+    QKV_ATTENTION.name: qkv_attention,
+    QLINEAR.name: qlinear,
+    QEMBEDDING.name: qembedding,
+}
+
+
+def convert_map() -> dict[str, Converter]:
+    """The converters keyed as the importer looks ops up (the overload's __name__, e.g. 'rms_norm.default')."""
+    return {f"{name}.default": converter for name, converter in CONVERTERS.items()}
