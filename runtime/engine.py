@@ -189,7 +189,7 @@ class Engine:
     def _run_wave(self, wave: list[_Sequence]) -> Iterator[GenerationDelta]:
         for slot, seq in enumerate(wave):
             seq.slot = slot
-        logits = self.executor.step(StepBatch([s.slot for s in wave], [s.prompt for s in wave], [0] * len(wave)))
+        logits = self._prefill(wave)
         running = wave
         while True:
             running = yield from self._accept(running, logits)
@@ -201,6 +201,20 @@ class Engine:
                 past_lens=[len(s.prompt) + len(s.output) - 1 for s in running],
             )
             logits = self.executor.step(batch)
+
+    def _prefill(self, wave: list[_Sequence]) -> np.ndarray:
+        """One prefill per request in the wave; its other completions fork the prompt's cache (n > 1 costs
+        one prompt's prefill). Returns each sequence's logits."""
+        leaders: dict[int, _Sequence] = {}
+        for seq in wave:
+            leaders.setdefault(seq.request, seq)
+        firsts = list(leaders.values())
+        logits = self.executor.step(StepBatch([s.slot for s in firsts], [s.prompt for s in firsts], [0] * len(firsts)))
+        for seq in wave:
+            if seq is not leaders[seq.request]:
+                self.executor.fork(leaders[seq.request].slot, seq.slot, len(seq.prompt))
+        row = {seq.request: index for index, seq in enumerate(firsts)}
+        return logits[[row[seq.request] for seq in wave]]
 
     def _accept(self, sequences: list[_Sequence], logits: np.ndarray) -> Iterator[GenerationDelta]:
         """Sample each sequence's next token and stream it; returns the sequences that go on."""

@@ -64,6 +64,11 @@ class Executor(ABC):
         """Run one step; returns float32 logits [len(batch.slots), vocab] of each sequence's last new token."""
 
     @abstractmethod
+    def fork(self, parent: int, child: int, length: int) -> None:
+        """Slot `child` starts as the first `length` tokens of slot `parent` (the shared prompt of n > 1
+        completions); what `child` held before is dropped."""
+
+    @abstractmethod
     def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
         """float32 logits [len(tokens), vocab] of every position of a fresh sequence (for scoring text);
         needs a program that computes every position's logits (no last_token_logits)."""

@@ -37,6 +37,10 @@ class TorchExecutor(Executor):
         outputs = self._run([0], pad_batch(StepBatch([0], [tokens], [0])))
         return outputs[LOGITS][0].float().numpy()
 
+    def fork(self, parent: int, child: int, length: int) -> None:
+        for cache in self.caches.values():
+            cache[child, :, :length] = cache[parent, :, :length]
+
     def step(self, batch: StepBatch) -> np.ndarray:
         padded = pad_batch(batch)
         outputs = self._run(batch.slots, padded)

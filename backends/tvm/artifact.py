@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,10 +15,10 @@ from ...progress import stage
 from ...runtime.artifact import write_artifact
 from ...runtime.executors.tvm import PAGE_SIZE
 from ..manifest import program_manifest
-from .compile import compile_module, tvm_target
+from .compile import compile_module, cuda_binary, tvm_target
 from .relax_import import KV_CACHE, PADDED_ROWS, RAGGED_ROWS, STEP_FUNCTIONS, to_relax
 
-LIBRARY, WEIGHTS = "model.so", "weights.safetensors"
+LIBRARY, WEIGHTS, DEVICE_CODE = "model.so", "weights.safetensors", "model.fatbin"
 
 
 def build(
@@ -36,11 +37,17 @@ def build(
         model = to_relax(program, tvm_tgt)
     with stage(f"compile with TVM for {tvm_tgt.kind.name} ({tvm_tgt.attrs.get('arch') or tvm_tgt.attrs['mcpu']})"):
         executable = compile_module(model.module, tvm_tgt)
+    device_code = None
+    if target == "cuda":
+        with stage(f"compile the GPU kernels with nvcc for {tvm_tgt.attrs['arch']}"):
+            source, device_code = cuda_binary(executable, tvm_tgt)
 
     def write(staging: Path) -> None:
         with stage("write the library and its weights"):
             executable.export_library(str(staging / LIBRARY))
             safetensors.numpy.save_file(model.params, str(staging / WEIGHTS))
+            if device_code is not None:
+                (staging / DEVICE_CODE).write_bytes(device_code)
         if write_extra is not None:
             write_extra(staging)
 
@@ -68,4 +75,7 @@ def build(
         },
         "weights": {"file": WEIGHTS, "order": list(model.params)},
     }
+    if device_code is not None:
+        source_hash = hashlib.sha256(source.encode()).hexdigest()
+        manifest["tvm"]["device_code"] = {"file": DEVICE_CODE, "format": "fatbin", "source_sha256": source_hash}
     return write_artifact(directory, write, manifest)

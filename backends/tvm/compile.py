@@ -9,6 +9,7 @@ default loops. Transposed weights are read in place (FuseTransposeMatmul), never
 from __future__ import annotations
 
 import re
+import shutil
 
 import tvm
 from tvm import relax
@@ -16,6 +17,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.relax.backend.cuda import pipeline as cuda
 from tvm.relax.transform.fuse_transpose_matmul import FuseTransposeMatmul
 from tvm.s_tir import dlight
+from tvm.support import nvcc
 
 from ...errors import LlmlowerError
 
@@ -80,3 +82,25 @@ def pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
 def compile_module(module: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:
     with target:
         return tvm.compile(module, target=target, relax_pipeline=pipeline(target))
+
+
+def cuda_source(executable: relax.VMExecutable) -> str:
+    """The CUDA C of a cuda build's kernels (TVM keeps them as source, for a JIT compile when loaded)."""
+    modules = [executable.mod]
+    while modules:
+        module = modules.pop()
+        if module.kind == "cuda":
+            return module.inspect_source("")
+        modules.extend(module.imports)
+    raise LlmlowerError("the cuda build holds no CUDA kernels")
+
+
+def cuda_binary(executable: relax.VMExecutable, target: tvm.target.Target) -> tuple[str, bytes]:
+    """The kernels' CUDA source and their fatbin for the target's architecture, compiled here by nvcc, so an
+    artifact carries GPU code and the GPU machine needs no compiler."""
+    if shutil.which("nvcc") is None:
+        raise LlmlowerError("--target cuda needs nvcc (the CUDA toolkit) on PATH to compile the GPU kernels")
+    source = cuda_source(executable)
+    with target:
+        binary = nvcc.compile_cuda(source, target_format="fatbin", arch=target.attrs["arch"], compiler="nvcc")
+    return source, bytes(binary)

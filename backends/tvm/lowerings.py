@@ -13,10 +13,16 @@ from typing import TYPE_CHECKING
 import torch.fx
 from tvm import relax, te, tirx
 
+from ...errors import LlmlowerError
 from ...ir import ADD_RMS_NORM, ATTENTION, QEMBEDDING, QKV_ATTENTION, QLINEAR, RMS_NORM, ROPE, SILU_MUL
 
 if TYPE_CHECKING:
     from .relax_import import StepImporter
+
+
+class TvmLoweringError(LlmlowerError):
+    """A node of the program has no Relax lowering."""
+
 
 Converter = Callable[[torch.fx.Node, "StepImporter"], relax.Expr]
 FUSED_QKV_ATTENTION = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
@@ -140,17 +146,20 @@ def _dequantized(qweight: te.Tensor, scales: te.Tensor, zeros: te.Tensor | None,
 
 
 def _qlinear_te(x: te.Tensor, qweight, scales, zeros, bias, bits: int, in_features: int) -> te.Tensor:
+    """x @ dequantize(w).T (+ bias), accumulated in float32 whatever x's dtype."""
     weight = _dequantized(qweight, scales, zeros, bits, in_features)
     w = te.compute((qweight.shape[0], in_features), weight, name="dequantize")
     k = te.reduce_axis((0, in_features), name="k")
     out = te.compute(
         (*x.shape[:-1], qweight.shape[0]),
-        lambda *i: te.sum(x[(*i[:-1], k)] * w[i[-1], k].astype(x.dtype), axis=k),
+        lambda *i: te.sum(x[(*i[:-1], k)].astype("float32") * w[i[-1], k].astype("float32"), axis=k),
         name="matmul",
     )
-    if bias is None:
-        return out
-    return te.compute(out.shape, lambda *i: out[i] + bias[i[-1]], name="bias_add")
+    if bias is not None:
+        out = te.compute(out.shape, lambda *i: out[i] + bias[i[-1]].astype("float32"), name="bias_add")
+    if x.dtype != "float32":
+        out = te.compute(out.shape, lambda *i: out[i].astype(x.dtype), name="cast")
+    return out
 
 
 def qlinear(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
@@ -181,6 +190,26 @@ def qembedding(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     )
 
 
+def _matmul_float32(importer: StepImporter, a: relax.Expr, b: relax.Expr) -> relax.Expr:
+    """a @ b accumulated in float32 and returned in a's dtype (TVM's importer returns float32 for float16 inputs,
+    which breaks the float16 graph that follows)."""
+    product = relax.op.matmul(a, b, out_dtype="float32")
+    return _emit(importer, product if a.ty.dtype == "float32" else relax.op.astype(product, a.ty.dtype))
+
+
+def mm(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    a, b = importer.retrieve_args(node)
+    return _matmul_float32(importer, a, b)
+
+
+def addmm(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    """bias + a @ b (beta = alpha = 1, what linear layers export as)."""
+    if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
+        raise TvmLoweringError(f"node {node.name}: addmm with alpha/beta other than 1 has no lowering")
+    bias, a, b = importer.retrieve_args(node)
+    return _emit(importer, relax.op.add(bias, _matmul_float32(importer, a, b)))
+
+
 CONVERTERS: dict[str, Converter] = {
     RMS_NORM.name: rms_norm,
     ADD_RMS_NORM.name: add_rms_norm,
@@ -193,6 +222,10 @@ CONVERTERS: dict[str, Converter] = {
 }
 
 
+# aten ops whose conversion by TVM's importer we replace, keyed as the importer looks them up
+ATEN_CONVERTERS: dict[str, Converter] = {"mm.default": mm, "matmul.default": mm, "addmm.default": addmm}
+
+
 def convert_map() -> dict[str, Converter]:
     """The converters keyed as the importer looks ops up (the overload's __name__, e.g. 'rms_norm.default')."""
-    return {f"{name}.default": converter for name, converter in CONVERTERS.items()}
+    return {f"{name}.default": converter for name, converter in CONVERTERS.items()} | ATEN_CONVERTERS

@@ -20,21 +20,16 @@ from tvm import relax, tirx
 from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from ...errors import LlmlowerError
 from ...ir import ATTENTION, QKV_ATTENTION
 from ...ir.program import INPUT_IDS, LOGITS, POSITION_IDS, Program, fetch_attr
 from ...spec import ModelSpec
-from .lowerings import convert_map
+from .lowerings import TvmLoweringError, convert_map
 
 KV_CACHE, RAGGED_ROWS, PADDED_ROWS = "paged_kv_cache", "ragged_rows", "padded_rows"
 STEP_FUNCTIONS = ("prefill", "decode")
 CACHE_INPUT = re.compile(r"[kv]_cache_\d+")
 CACHE_SHAPE_VARS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size", "support_sliding")
 ROPE_TOLERANCE = 2e-3  # float32 angles at 8k positions differ by ~1e-3 between implementations
-
-
-class TvmLoweringError(LlmlowerError):
-    """A node of the program has no Relax lowering."""
 
 
 @dataclass

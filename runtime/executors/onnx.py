@@ -86,6 +86,13 @@ class OnnxExecutor(Executor):
         padded = pad_batch(batch)
         return last_token_logits(self._run(batch.slots[0], padded), padded.input_lens)
 
+    def fork(self, parent: int, child: int, length: int) -> None:
+        """Copies the rows through the host (update_inplace serves the CPU and CUDA EPs alike); forks are rare."""
+        for cache in self.caches.values():
+            rows = cache.numpy()
+            rows[child, :, :length] = rows[parent, :, :length]
+            cache.update_inplace(rows)
+
     def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
         if not self.all_positions:
             raise GenerationError("this model computes last-token logits only; compile without last_token_logits")

@@ -10,6 +10,7 @@ cut back (popn), and `fork` shares a prefix copy-on-write. Each step is begin_fo
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import safetensors.numpy
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.runtime import ShapeTuple
 
@@ -40,6 +42,23 @@ def ragged_rows(input_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.cumsum(input_lens) - input_lens
     back = offsets[:, None] + np.minimum(steps, input_lens[:, None] - 1)
     return real.astype(np.int64), back.reshape(-1).astype(np.int64)
+
+
+def use_prebuilt_kernels(binary: bytes, source_sha256: str) -> None:
+    """Make TVM's CUDA loader, which compiles a library's kernel source when it loads it, take the artifact's
+    prebuilt binary for that source instead (other sources still go to TVM's own compiler)."""
+    jit = tvm.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+
+    def compile_cuda(code: str, *args: Any) -> bytes:
+        if hashlib.sha256(code.encode()).hexdigest() == source_sha256:
+            return binary
+        if jit is None:
+            raise GenerationError(
+                "a CUDA kernel source differs from the artifact's prebuilt one and no compiler is set"
+            )
+        return jit(code, *args)
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_cuda, override=True)
 
 
 class TvmExecutor(Executor):
@@ -69,6 +88,9 @@ class TvmExecutor(Executor):
     ) -> TvmExecutor:
         if threads > 0:
             tvm.get_global_func("runtime.config_threadpool")(1, threads)  # 1: big cores first
+        device_code = manifest["tvm"].get("device_code")
+        if device_code is not None:
+            use_prebuilt_kernels((artifact / device_code["file"]).read_bytes(), device_code["source_sha256"])
         weights = safetensors.numpy.load_file(str(artifact / manifest["weights"]["file"]))
         prefill = manifest["entry_points"]["prefill"]
         return cls(
