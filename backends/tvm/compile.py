@@ -20,6 +20,7 @@ from tvm.s_tir import dlight
 from tvm.support import nvcc
 
 from ...errors import LlmlowerError
+from .cpu_schedule import WeightRowMatmul
 
 TARGETS = ("cpu", "cuda")
 CUDA_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
@@ -60,7 +61,7 @@ def _schedules(target: tvm.target.Target) -> tvm.transform.Pass:
             dlight.gpu.Fallback(),
         )
     else:
-        rules = (dlight.cpu.GEMV(), dlight.cpu.Reduction())
+        rules = (WeightRowMatmul(), dlight.cpu.Reduction())
     return dlight.ApplyDefaultSchedule(*rules)
 
 

@@ -1,0 +1,68 @@
+"""A DLight rule for the CPU: matmuls against a weight stored [N, K] (a linear layer's layout, float or
+dequantized inside the kernel), for any number of rows: decode's few and prefill's many.
+
+Schedule: the output columns (weight rows) are split into chunks of `ROWS_PER_CHUNK` that the threads share
+(`parallel`); a chunk's weights are dequantized once into a small buffer (`compute_at`) and reused by every
+activation row; each dot product runs `LANES` partial sums in vector registers (`rfactor` + `vectorize`)
+and adds them up at the end. Elementwise epilogues (bias, cast, residual add) are folded into the write-back.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
+from tvm.target import Target
+
+ROWS_PER_CHUNK = 8
+LANES = 16  # two AVX2 / one AVX-512 float32 vector
+
+
+class WeightRowMatmul(CPUScheduleRule):
+    """out[rows..., n] = sum_k x[rows..., k] * w[n, k], with w possibly computed (dequantized) in the function."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        reductions = [info for info in infos if info.is_reduction()]
+        if len(reductions) != 1 or not all(info.is_injective() for info in infos if info not in reductions):
+            return None
+        block = reductions[0].block_rv
+        loops = sch.get_loops(block)
+        kinds = [iter_info.kind for iter_info in reductions[0].iters]
+        if len(loops) < 2 or kinds[-1] != "R" or "R" in kinds[:-1] or kinds[-2] != "S":
+            return None
+        reduce_extent = reductions[0].iters[-1].dom
+        if not isinstance(reduce_extent, tirx.IntImm | int) or int(reduce_extent) % LANES:
+            return None
+        index = infos.index(reductions[0])
+        producers = [info.block_rv for info in infos[:index]]
+        consumers = [info.block_rv for info in infos[index + 1 :]]
+
+        try:
+            return _schedule(sch, block, loops, producers, consumers)
+        except s_tir.ScheduleError:
+            return None
+
+
+def _schedule(sch: s_tir.Schedule, block, loops, producers, consumers) -> s_tir.Schedule:
+    *rows, column, k = loops
+    chunk, column = sch.split(column, [None, ROWS_PER_CHUNK])
+    k_outer, lane = sch.split(k, [None, LANES])
+    sch.reorder(chunk, *rows, column, k_outer, lane)
+    sch.parallel(chunk)
+    output_rank = len(sch.get(block).writes[0].region)
+    partial = sch.rfactor(lane, factor_axis=output_rank)  # lanes last: one vector per (row, column)
+    sch.compute_at(partial, column)  # the lanes' dot product, then (the block itself) their sum
+    lanes, steps = sch.get_loops(partial)[-2:]  # compute_at puts the spatial lane loop first
+    sch.reorder(steps, lanes)
+    sch.vectorize(lanes)
+    for producer in reversed(producers):  # dequantize a chunk of weight rows once, for all activation rows
+        sch.compute_at(producer, chunk)
+    for consumer in consumers:
+        sch.reverse_compute_inline(consumer)
+    return sch
