@@ -87,8 +87,9 @@ def test_perplexity_of_quantized_pipelines(smollm2):
     assert q4_stats["quantized_weight_bytes_after"] <= 0.3 * q4_stats["quantized_weight_bytes_before"]
 
 
-def test_onnx_artifact_greedy_equals_the_torch_reference(smollm2, tmp_path):
-    out = compile_artifact(smollm2, tmp_path / "smollm2-onnx-fp32")
+@pytest.mark.parametrize("backend", ["onnx", "tvm"])
+def test_artifact_greedy_equals_the_torch_reference(backend, smollm2, tmp_path):
+    out = compile_artifact(smollm2, tmp_path / f"smollm2-{backend}-fp32", backend=backend)
     from_artifact = Engine.load(out, max_batch=3, max_context=256).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=32)
     )
@@ -99,13 +100,16 @@ def test_onnx_artifact_greedy_equals_the_torch_reference(smollm2, tmp_path):
         assert ours.token_ids == expected.token_ids, prompt
 
 
-def test_onnx_q4_artifact_perplexity_is_within_the_int4_bound(smollm2, tmp_path):
-    """The q4g32 artifact as ONNX Runtime runs it (MatMulNBits with int8 activations, accuracy_level 4):
-    perplexity within +5% of the fp32 torch reference on the same text and windows."""
+@pytest.mark.parametrize("backend", ["onnx", "tvm"])
+def test_q4_artifact_perplexity_is_within_the_int4_bound(backend, smollm2, tmp_path):
+    """The q4g32 artifact as its backend runs it (ONNX Runtime: MatMulNBits with int8 activations, accuracy
+    level 4; TVM: dequantize-in-matmul in float32): perplexity within +5% of the fp32 torch reference on the
+    same text and windows."""
     text = PERPLEXITY_TEXT.read_text(encoding="utf-8")
-    artifact = compile_artifact(smollm2, tmp_path / "q4", build_pipeline(quant="q4g32", all_logits=True))
+    pipeline = build_pipeline(quant="q4g32", all_logits=True)
+    artifact = compile_artifact(smollm2, tmp_path / "q4", pipeline, backend=backend)
     ours, history = text_perplexity(artifact, text, [])
     reference, _ = text_perplexity(smollm2, text, build_pipeline(all_logits=True))
-    print(f"q4g32 ONNX artifact perplexity {ours.perplexity:.3f}, fp32 torch {reference.perplexity:.3f}")
+    print(f"q4g32 {backend} artifact perplexity {ours.perplexity:.3f}, fp32 torch {reference.perplexity:.3f}")
     assert history[-1]["name"] == "quantize_weights" and ours.tokens == reference.tokens >= 2000
     assert ours.perplexity <= reference.perplexity * 1.05

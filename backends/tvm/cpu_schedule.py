@@ -63,6 +63,11 @@ def _schedule(sch: s_tir.Schedule, block, loops, producers, consumers) -> s_tir.
     sch.vectorize(lanes)
     for producer in reversed(producers):  # dequantize a chunk of weight rows once, for all activation rows
         sch.compute_at(producer, chunk)
+        _, lanes = sch.split(sch.get_loops(producer)[-1], [None, LANES])
+        sch.vectorize(lanes)
     for consumer in consumers:
-        sch.reverse_compute_inline(consumer)
+        try:
+            sch.reverse_compute_inline(consumer)
+        except s_tir.ScheduleError:  # e.g. a residual add reading another tensor too: right after each column
+            sch.reverse_compute_at(consumer, column)
     return sch
