@@ -1,0 +1,74 @@
+"""Step times on a backend: one registration per backend (name -> a function that builds its executor for a
+Program), and the median of repeated steps."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import LlmlowerError
+from ..ir.program import Program
+from ..progress import stage
+from ..runtime.executor import Executor, StepBatch
+from .shapes import Step
+
+ExecutorBuilder = Callable[[Program, int, int], Executor]  # (program, max_batch, max_context) -> executor
+
+
+def _torch(program: Program, max_batch: int, max_context: int) -> Executor:
+    from ..backends.torch import TorchExecutor
+
+    return TorchExecutor(program, max_batch=max_batch, max_context=max_context)
+
+
+def _onnx(program: Program, max_batch: int, max_context: int) -> Executor:
+    from ..backends.onnx import to_onnx
+    from ..runtime.executors.onnx import OnnxExecutor
+
+    with stage("lower to ONNX (torch.onnx.export)"):
+        model = to_onnx(program).SerializeToString()
+    return OnnxExecutor(model, max_batch=max_batch, max_context=max_context)
+
+
+def _tvm(program: Program, max_batch: int, max_context: int) -> Executor:
+    try:
+        importlib.import_module(f"{__package__.rpartition('.')[0]}.backends.tvm")
+    except ImportError:
+        raise LlmlowerError("--backend tvm: the tvm backend is not available in this build") from None
+    raise LlmlowerError("--backend tvm: the tvm backend imports, but its executor is not registered in roofline")
+
+
+BACKENDS: dict[str, ExecutorBuilder] = {"torch": _torch, "onnx": _onnx, "tvm": _tvm}
+
+
+def build_executor(backend: str, program: Program, max_batch: int, max_context: int) -> Executor:
+    """The executor `backend` builds for `program` (KV cache of max_batch x max_context)."""
+    if backend not in BACKENDS:
+        raise LlmlowerError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    return BACKENDS[backend](program, max_batch, max_context)
+
+
+def artifact_executor(artifact: Path, max_batch: int, max_context: int) -> Executor:
+    """The executor of a compiled artifact, as Engine.load builds it."""
+    from ..runtime import Engine
+
+    return Engine.load(artifact, max_batch=max_batch, max_context=max_context).executor
+
+
+def step_batch(step: Step) -> StepBatch:
+    """The executor batch for `step`: slots 0..batch-1, `tokens` new tokens each after `past` cached ones."""
+    return StepBatch(list(range(step.batch)), [[1] * step.tokens] * step.batch, [step.past] * step.batch)
+
+
+def time_step(executor: Executor, step: Step, repeats: int) -> list[float]:
+    """Seconds of `repeats` runs of `step`, after one warm-up run."""
+    batch = step_batch(step)
+    executor.step(batch)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        executor.step(batch)
+        times.append(time.perf_counter() - started)
+    return times
