@@ -33,21 +33,31 @@ def _onnx(program: Program, max_batch: int, max_context: int) -> Executor:
 
 
 def _tvm(program: Program, max_batch: int, max_context: int) -> Executor:
-    try:
-        importlib.import_module(f"{__package__.rpartition('.')[0]}.backends.tvm")
-    except ImportError:
-        raise LlmlowerError("--backend tvm: the tvm backend is not available in this build") from None
     raise LlmlowerError("--backend tvm: the tvm backend imports, but its executor is not registered in roofline")
 
 
-BACKENDS: dict[str, ExecutorBuilder] = {"torch": _torch, "onnx": _onnx, "tvm": _tvm}
+# name -> (the backend's package under llmlower, the function building its executor for a Program)
+BACKENDS: dict[str, tuple[str, ExecutorBuilder]] = {
+    "torch": ("backends.torch", _torch),
+    "onnx": ("backends.onnx", _onnx),
+    "tvm": ("backends.tvm", _tvm),
+}
+
+
+def check_backend(backend: str) -> None:
+    """Fail unless `backend` is registered and its package imports in this build."""
+    if backend not in BACKENDS:
+        raise LlmlowerError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    try:
+        importlib.import_module(f"{__package__.rpartition('.')[0]}.{BACKENDS[backend][0]}")
+    except ImportError:
+        raise LlmlowerError(f"--backend {backend}: the {backend} backend is not available in this build") from None
 
 
 def build_executor(backend: str, program: Program, max_batch: int, max_context: int) -> Executor:
     """The executor `backend` builds for `program` (KV cache of max_batch x max_context)."""
-    if backend not in BACKENDS:
-        raise LlmlowerError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-    return BACKENDS[backend](program, max_batch, max_context)
+    check_backend(backend)
+    return BACKENDS[backend][1](program, max_batch, max_context)
 
 
 def artifact_executor(artifact: Path, max_batch: int, max_context: int) -> Executor:

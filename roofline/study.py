@@ -20,14 +20,14 @@ from ..errors import LlmlowerError, PassError
 from ..frontend import capture, load, resolve_model
 from ..ir import Cost
 from ..ir.program import Program
-from ..passes import DEFAULT_PIPELINE, parse_quant, run_pipeline
+from ..passes import DEFAULT_PIPELINE, build_pipeline, run_pipeline
 from ..passes.manager import PassSpec
 from ..progress import stage
 from ..runtime.artifact import read_manifest
 from ..spec import ModelSpec
 from .ceilings import Ceilings
 from .cost import KINDS, NodeCost, StepCost, step_cost
-from .measure import BACKENDS, artifact_executor, build_executor, time_step
+from .measure import artifact_executor, build_executor, check_backend, time_step
 from .shapes import Step, decode_step, prefill_step
 
 PIPELINE_WORDS: dict[str, tuple[str, ...]] = {
@@ -64,15 +64,12 @@ def parse_pipelines(text: str) -> list[tuple[str, list[PassSpec]]]:
             raise LlmlowerError(
                 f"--pipelines: unknown pipeline {word!r} (expected {' or '.join(PIPELINE_WORDS)}, optionally +QUANT)"
             )
-        passes: list[PassSpec] = list(PIPELINE_WORDS[base])
-        if quant:
-            try:
-                options = parse_quant(quant)
-            except PassError as exc:
-                raise LlmlowerError(f"--pipelines {word!r}: {exc}") from None
-            if options is None:
-                raise LlmlowerError(f"--pipelines {word!r}: write {base} for no quantization")
-            passes.append(("quantize_weights", options))
+        try:
+            passes = build_pipeline(list(PIPELINE_WORDS[base]), quant=quant or "none")
+        except PassError as exc:
+            raise LlmlowerError(f"--pipelines {word!r}: {exc}") from None
+        if quant == "none":
+            raise LlmlowerError(f"--pipelines {word!r}: write {base} for no quantization")
         pipelines.append((word, passes))
     return pipelines
 
@@ -89,12 +86,10 @@ def parse_batches(text: str) -> tuple[int, ...]:
 
 
 def check_options(options: StudyOptions, spec: ModelSpec) -> None:
-    """Each size positive and within the model's positions; a known backend; at least one repeat."""
+    """Each size positive and within the model's positions; at least one repeat."""
     for name, value in (("--prefill", options.prefill), ("--context", options.context)):
         if not 1 <= value <= spec.max_positions:
             raise LlmlowerError(f"{name} {value}: expected 1 to {spec.max_positions} (the model's positions)")
-    if options.backend not in BACKENDS:
-        raise LlmlowerError(f"--backend {options.backend!r}: expected one of {', '.join(BACKENDS)}")
     if options.repeats < 1:
         raise LlmlowerError(f"--repeats {options.repeats}: expected at least 1")
 
@@ -204,7 +199,9 @@ def run_study(
     model: str, pipelines: str, options: StudyOptions, ceilings: Ceilings, dtype: str = "float32"
 ) -> dict[str, Any]:
     """The report of MODEL (a checkpoint, .gguf or 'example') under each pipeline word of `pipelines`."""
-    words = parse_pipelines(pipelines)  # bad words fail before the model loads
+    words = parse_pipelines(pipelines)  # bad words and a missing backend fail before the model loads
+    if options.measure:
+        check_backend(options.backend)
     if options.measure and not ceilings.measured:
         raise LlmlowerError(f"--machine {ceilings.machine}: datasheet ceilings; add --no-measure (no such GPU here)")
     loaded = load(resolve_model(model), dtype=dtype)
