@@ -234,3 +234,23 @@ def test_smollm2_on_this_machines_roofline(smollm2, cpu_ceilings):
     assert intensity[16, 512] / intensity[1, 512] < intensity[16, 128] / intensity[1, 128]
     ridge = cpu_ceilings.ridge("float32")
     assert prefill.total.flops / prefill.total.bytes > ridge > intensity[1, 512]
+
+
+def test_an_artifact_is_studied_with_its_own_pipeline(tiny_llama, cpu_ceilings, tmp_path, capsys):
+    from llmlower.api import compile_artifact
+
+    artifact = compile_artifact(tiny_llama, tmp_path / "artifact", build_pipeline(quant="q8"))
+    out = tmp_path / "report"
+    flags = ["--prefill", "8", "--batch", "2", "--context", "12", "--repeats", "1", "-o", str(out)]
+    assert main(["roofline", str(artifact), *flags]) == 1
+    assert "--checkpoint" in capsys.readouterr().err
+    assert main(["roofline", str(artifact), "--pipelines", "fusion", *flags]) == 1
+    assert "--pipelines" in capsys.readouterr().err
+    assert main(["roofline", str(artifact), "--checkpoint", str(tiny_llama), *flags]) == 0
+    report = json.loads((out / "report.json").read_text())
+    [pipeline] = report["pipelines"]
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert report["backend"] == "onnx" and pipeline["name"] == "artifact"
+    assert pipeline["passes"] == [step["name"] for step in manifest["pipeline"]]
+    assert [ph["label"] for ph in pipeline["phases"]] == ["prefill N=8", "decode B=2 C=12"]
+    assert all(ph["measured_s"] > 0 for ph in pipeline["phases"])
