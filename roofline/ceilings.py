@@ -117,7 +117,9 @@ def measure_cpu() -> Ceilings:
     flops = {"fp32": _matmul_rate(2048, torch.float32, "cpu", lambda: None)}
     with contextlib.suppress(RuntimeError, NotImplementedError):  # no int8 matmul here: the ceiling is absent
         flops["int8"] = _matmul_rate(512, torch.int8, "cpu", lambda: None)
-    description = f"{_cpu_name()}, {torch.get_num_threads()} threads"
+    description = f"{_cpu_name()}, {torch.get_num_threads()} threads" + (
+        ", int8 by torch._int_mm" if "int8" in flops else ""
+    )
     return Ceilings("cpu", description, "measured", flops, _copy_bandwidth(512, "cpu", lambda: None))
 
 

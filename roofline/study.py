@@ -94,6 +94,12 @@ def check_options(options: StudyOptions, spec: ModelSpec) -> None:
         raise LlmlowerError(f"--repeats {options.repeats}: expected at least 1")
 
 
+def check_measurable(options: StudyOptions, ceilings: Ceilings) -> None:
+    """Step times only mean something against ceilings measured where the steps run."""
+    if options.measure and not ceilings.measured:
+        raise LlmlowerError(f"--machine {ceilings.machine}: datasheet ceilings; add --no-measure (no such GPU here)")
+
+
 def op_seconds(cost: Cost, peak: float, bandwidth: float) -> float:
     """Roofline time of work `cost`: bound by compute or by memory, whichever is slower."""
     return max(cost.flops / peak, cost.bytes / bandwidth)
@@ -202,8 +208,7 @@ def run_study(
     words = parse_pipelines(pipelines)  # bad words and a missing backend fail before the model loads
     if options.measure:
         check_backend(options.backend)
-    if options.measure and not ceilings.measured:
-        raise LlmlowerError(f"--machine {ceilings.machine}: datasheet ceilings; add --no-measure (no such GPU here)")
+    check_measurable(options, ceilings)
     loaded = load(resolve_model(model), dtype=dtype)
     check_options(options, loaded.spec)
     captured = capture(loaded)
@@ -226,8 +231,7 @@ def run_artifact_study(
     manifest = read_manifest(artifact)
     if checkpoint is None:
         raise LlmlowerError(f"{artifact} is an artifact: --checkpoint names the model it was compiled from")
-    if options.measure and not ceilings.measured:
-        raise LlmlowerError(f"--machine {ceilings.machine}: datasheet ceilings; add --no-measure (no such GPU here)")
+    check_measurable(options, ceilings)
     passes: list[PassSpec] = [(p["name"], p["options"]) for p in manifest["pipeline"]]
     loaded = load(resolve_model(checkpoint), dtype=manifest["dtype"])
     if loaded.spec != ModelSpec.from_dict(manifest["spec"]):
