@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch.fx
+
 from ..errors import LlmlowerError, PassError
 from ..frontend import capture, load, resolve_model
 from ..ir import Cost
@@ -70,6 +72,8 @@ def parse_pipelines(text: str) -> list[tuple[str, list[PassSpec]]]:
             raise LlmlowerError(f"--pipelines {word!r}: {exc}") from None
         if quant == "none":
             raise LlmlowerError(f"--pipelines {word!r}: write {base} for no quantization")
+        if word in (name for name, _ in pipelines):
+            raise LlmlowerError(f"--pipelines: {word!r} is given twice")
         pipelines.append((word, passes))
     return pipelines
 
@@ -107,17 +111,21 @@ def op_seconds(cost: Cost, peak: float, bandwidth: float) -> float:
 
 def _op_group(node: NodeCost, modules: dict[str, str]) -> str:
     """An op and the module it came from with layer numbers as '*' (one group for all layers' q_proj)."""
-    module = re.sub(r"\.\d+\.", ".*.", modules.get(node.name, ""))
+    module = re.sub(r"\.\d+\.", ".*.", modules.get(node.name, "")).removeprefix("model.")
     return f"{node.op} {module}".strip()
 
 
 def _module_paths(program: Program) -> dict[str, str]:
-    """Node name -> the innermost module path torch.export recorded for it (absent for nodes passes made)."""
+    """Node name -> where it comes from: the first weight it reads (fused and quantized weights keep their
+    layer's path), else the innermost module torch.export recorded for it."""
     paths = {}
     for node in program.graph_module.graph.nodes:
+        weights = [a.target for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
         stack = node.meta.get("nn_module_stack") or {}
-        if stack:
-            paths[node.name] = str(list(stack.values())[-1][0]).removeprefix("model.")
+        if weights:
+            paths[node.name] = weights[0]
+        elif stack:
+            paths[node.name] = str(list(stack.values())[-1][0])
     return paths
 
 

@@ -169,7 +169,13 @@ def test_op_seconds_is_the_slower_of_compute_and_memory():
 
 @pytest.mark.parametrize(
     ("text", "parameter"),
-    [("fused", "--pipelines"), ("fusion+q3", "--pipelines"), ("baseline+none", "--pipelines"), (" ; ", "--pipelines")],
+    [
+        ("fused", "--pipelines"),
+        ("fusion+q3", "--pipelines"),
+        ("fusion;fusion", "given twice"),
+        ("baseline+none", "--pipelines"),
+        (" ; ", "--pipelines"),
+    ],
 )
 def test_bad_pipeline_words_name_the_parameter(text, parameter):
     with pytest.raises(LlmlowerError, match=parameter):
