@@ -1,9 +1,11 @@
 """Step times on a backend: one registration per backend (name -> a function that builds its executor for a
-Program), and the median of repeated steps."""
+Program), and repeated timed steps. ONNX Runtime runs one intra-op thread per logical core, as
+benchmarks/speed.py does (its default, one per physical core, ran SmolLM2 steps 2-2.5x slower on the 2-vCPU VM)."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +31,7 @@ def _onnx(program: Program, max_batch: int, max_context: int) -> Executor:
 
     with stage("lower to ONNX (torch.onnx.export)"):
         model = to_onnx(program).SerializeToString()
-    return OnnxExecutor(model, max_batch=max_batch, max_context=max_context)
+    return OnnxExecutor(model, max_batch=max_batch, max_context=max_context, threads=os.cpu_count() or 0)
 
 
 def _tvm(program: Program, max_batch: int, max_context: int) -> Executor:
@@ -64,7 +66,7 @@ def artifact_executor(artifact: Path, max_batch: int, max_context: int) -> Execu
     """The executor of a compiled artifact, as Engine.load builds it."""
     from ..runtime import Engine
 
-    return Engine.load(artifact, max_batch=max_batch, max_context=max_context).executor
+    return Engine.load(artifact, max_batch=max_batch, max_context=max_context, threads=os.cpu_count() or 0).executor
 
 
 def step_batch(step: Step) -> StepBatch:
