@@ -99,9 +99,12 @@ def check_options(options: StudyOptions, spec: ModelSpec) -> None:
 
 
 def check_measurable(options: StudyOptions, ceilings: Ceilings) -> None:
-    """Step times only mean something against ceilings measured where the steps run."""
+    """Step times only mean something against ceilings measured where the steps run (the backends time
+    steps on the CPU)."""
     if options.measure and not ceilings.measured:
         raise LlmlowerError(f"--machine {ceilings.machine}: datasheet ceilings; add --no-measure (no such GPU here)")
+    if options.measure and ceilings.machine != "cpu":
+        raise LlmlowerError(f"--machine {ceilings.machine}: steps are timed on the CPU only; add --no-measure")
 
 
 def op_seconds(cost: Cost, peak: float, bandwidth: float) -> float:
