@@ -59,11 +59,18 @@ def _attention_fake(q, k, v, k_cache, v_cache, past_lens, input_lens, scale, win
 def attention_cost(
     batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, context: int, element_bytes: int
 ) -> Cost:
-    """QK^T and PV over `context` keys per query; reads the kv-heads cache once, writes the new k/v."""
+    """QK^T and PV over `context` keys per query (the full matrix, masked or not); reads q and the new k/v,
+    writes the output; reads the kv-heads cache's `context` positions once and writes the new k/v into it."""
     flops = 4 * batch * heads * tokens * context * head_dim
     activations = 2 * batch * tokens * heads * head_dim + 2 * batch * tokens * kv_heads * head_dim
-    cache_reads = 2 * batch * kv_heads * context * head_dim
-    return Cost(flops=flops, bytes=element_bytes * (activations + cache_reads))
+    cache_reads = element_bytes * 2 * batch * kv_heads * context * head_dim
+    cache_writes = element_bytes * 2 * batch * tokens * kv_heads * head_dim
+    return Cost(
+        flops=flops,
+        bytes=element_bytes * activations + cache_reads + cache_writes,
+        kv_read_bytes=cache_reads,
+        kv_write_bytes=cache_writes,
+    )
 
 
 ATTENTION = register_op(

@@ -50,7 +50,11 @@ def rms_norm_cost(rows: int, hidden: int, element_bytes: int, residual: bool = F
     writes the output (and the sum)."""
     elements = rows * hidden
     tensors = 4 if residual else 2
-    return Cost(flops=(5 if residual else 4) * elements, bytes=element_bytes * (tensors * elements + hidden))
+    return Cost(
+        flops=(5 if residual else 4) * elements,
+        bytes=element_bytes * (tensors * elements + hidden),
+        weight_bytes=element_bytes * hidden,
+    )
 
 
 RMS_NORM = register_op(OpDef("rms_norm", torch.ops.llmlower.rms_norm, "RMSNorm over the last dim", rms_norm_cost))

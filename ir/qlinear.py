@@ -46,12 +46,16 @@ def _qembedding_fake(ids, qweight, scales, zeros, bits, dim):
 def qlinear_cost(rows: int, in_features: int, out_features: int, weight_bytes: int, element_bytes: int) -> Cost:
     """2 FLOPs per multiply-add; moves the packed weight (with scales and zeros) once, plus x and the output."""
     activations = element_bytes * rows * (in_features + out_features)
-    return Cost(flops=2 * rows * in_features * out_features, bytes=weight_bytes + activations)
+    return Cost(
+        flops=2 * rows * in_features * out_features, bytes=weight_bytes + activations, weight_bytes=weight_bytes
+    )
 
 
 def qembedding_cost(rows: int, dim: int, bytes_per_row: int, element_bytes: int) -> Cost:
     """A gather: reads the packed rows, writes float rows."""
-    return Cost(flops=2 * rows * dim, bytes=rows * (bytes_per_row + dim * element_bytes))
+    return Cost(
+        flops=2 * rows * dim, bytes=rows * (bytes_per_row + dim * element_bytes), weight_bytes=rows * bytes_per_row
+    )
 
 
 QLINEAR = register_op(OpDef("qlinear", torch.ops.llmlower.qlinear, "linear over int8/int4 weights", qlinear_cost))

@@ -12,13 +12,28 @@ NAMESPACE = "llmlower"
 
 @dataclass(frozen=True)
 class Cost:
-    """Work of one op invocation: floating-point operations and bytes moved to and from memory."""
+    """Work of one op invocation: floating-point operations and bytes moved to and from memory (`bytes`, the
+    total), of which `weight_bytes` are weights (packed bytes, scales and zeros when quantized) and
+    `kv_read_bytes` / `kv_write_bytes` KV-cache traffic; the rest are activations."""
 
     flops: int
     bytes: int
+    weight_bytes: int = 0
+    kv_read_bytes: int = 0
+    kv_write_bytes: int = 0
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.bytes - self.weight_bytes - self.kv_read_bytes - self.kv_write_bytes
 
     def __add__(self, other: Cost) -> Cost:
-        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+        return Cost(
+            self.flops + other.flops,
+            self.bytes + other.bytes,
+            self.weight_bytes + other.weight_bytes,
+            self.kv_read_bytes + other.kv_read_bytes,
+            self.kv_write_bytes + other.kv_write_bytes,
+        )
 
 
 @dataclass(frozen=True)

@@ -59,4 +59,5 @@ def test_cost_counts_kv_heads_only():
     mha = ATTENTION.cost(batch=1, tokens=1, heads=9, kv_heads=9, head_dim=64, context=100, element_bytes=2)
     assert gqa.flops == mha.flops == 4 * 9 * 100 * 64
     assert gqa.bytes < mha.bytes
-    assert gqa.bytes == 2 * (2 * 9 * 64 + 2 * 3 * 64 + 2 * 3 * 100 * 64)
+    assert gqa.kv_read_bytes == 2 * 2 * 3 * 100 * 64 and gqa.kv_write_bytes == 2 * 2 * 3 * 64
+    assert gqa.bytes == 2 * (2 * 9 * 64 + 2 * 3 * 64) + gqa.kv_read_bytes + gqa.kv_write_bytes

@@ -4,6 +4,7 @@ prefix and 8 decode steps through TVM's paged KV cache; cuda builds carry device
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 
 import numpy as np
@@ -12,33 +13,22 @@ import torch
 
 from llmlower.api import compile_artifact
 from llmlower.backends.torch import TorchExecutor
-from llmlower.backends.tvm import TvmLoweringError, compile_module, to_relax, tvm_target
+from llmlower.backends.tvm import TvmLoweringError, to_relax, tvm_target
+from llmlower.backends.tvm.executor import cpu_executor
 from llmlower.cli import main
 from llmlower.frontend import capture, load
-from llmlower.ir.program import LOGITS
 from llmlower.passes import build_pipeline, run_pipeline
 from llmlower.runtime import StepBatch
-from llmlower.runtime.executors.tvm import TvmExecutor, ragged_rows
+from llmlower.runtime.executors.tvm import ragged_rows
 
 PROMPT_LENS = [5, 9, 3]
 EM_CUDA = 190
 
 
-def _tvm_executor(program, tmp_path, max_batch: int = 4) -> TvmExecutor:
-    target = tvm_target("cpu")
-    model = to_relax(program, target)
-    library = str(tmp_path / "model.so")
-    compile_module(model.module, target).export_library(library)
-    prefill = model.module["prefill"]
-    inputs = [v.name for v in prefill.params[: int(prefill.attrs["num_input"])]]
-    all_positions = program.outputs[program.output_names.index(LOGITS)].shape[1] == "tokens"
-    return TvmExecutor(library, model.params, inputs, max_batch=max_batch, max_context=32, all_positions=all_positions)
-
-
-def _max_difference(program, tmp_path) -> float:
+def _max_difference(program) -> float:
     """Largest logit difference between TVM and torch over a batched prefill of 3 prompts, slot 3 forked
     from slot 1's first 6 tokens, then 8 decode steps of all 4 sequences (the fork diverging from its parent)."""
-    ours, reference = _tvm_executor(program, tmp_path), TorchExecutor(program, 4, 32)
+    ours, reference = cpu_executor(program, max_batch=4, max_context=32), TorchExecutor(program, 4, 32)
     gen = torch.Generator().manual_seed(0)
     vocab = program.spec.vocab_size
     prompts = [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
@@ -56,29 +46,29 @@ def _max_difference(program, tmp_path) -> float:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "gpt2"])
-def test_fp32_tvm_matches_the_torch_reference(arch, tiny_checkpoints, tmp_path):
+def test_fp32_tvm_matches_the_torch_reference(arch, tiny_checkpoints):
     program = run_pipeline(capture(load(tiny_checkpoints[arch])), build_pipeline())
-    assert _max_difference(program, tmp_path) <= 1e-4
+    assert _max_difference(program) <= 1e-4
 
 
 @pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4g128-sym"])
-def test_quantized_lowering_is_exact(quant, tiny_checkpoints, tmp_path):
+def test_quantized_lowering_is_exact(quant, tiny_checkpoints):
     """Dequantize-in-matmul computes in float32: the reference's product, int4 zero points of every kind."""
     program = run_pipeline(capture(load(tiny_checkpoints["llama"])), build_pipeline(quant=quant))
-    assert _max_difference(program, tmp_path) <= 1e-4
+    assert _max_difference(program) <= 1e-4
 
 
-def test_a_quantized_embedding_lowers(tiny_checkpoints, tmp_path):
+def test_a_quantized_embedding_lowers(tiny_checkpoints):
     pipeline = build_pipeline(quant="q8", quantize_embedding=True)
     program = run_pipeline(capture(load(tiny_checkpoints["gpt2"])), pipeline)
-    assert _max_difference(program, tmp_path) <= 1e-4
+    assert _max_difference(program) <= 1e-4
 
 
-def test_every_position_and_a_continued_prompt(tiny_checkpoints, tmp_path):
+def test_every_position_and_a_continued_prompt(tiny_checkpoints):
     """Without last_token_logits the prefill returns every position; a sequence continued by several tokens
     after a cut-back (popn) and a restarted slot give the reference's logits."""
     program = run_pipeline(capture(load(tiny_checkpoints["llama"])), build_pipeline(all_logits=True))
-    ours, reference = _tvm_executor(program, tmp_path), TorchExecutor(program, 4, 32)
+    ours, reference = cpu_executor(program, max_batch=4, max_context=32), TorchExecutor(program, 4, 32)
     tokens = list(range(5, 17))
     assert np.abs(ours.prompt_logits(tokens) - reference.prompt_logits(tokens)).max() <= 1e-4
     steps = [StepBatch([0], [tokens[8:]], [8]), StepBatch([0], [[7, 8]], [4]), StepBatch([0, 1], [[9], [3, 4]], [6, 0])]
@@ -172,6 +162,7 @@ def _cuda_elf_arches(fatbin: bytes) -> set[int]:
     return arches
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="building for cuda needs nvcc (the CUDA toolkit)")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_a_cuda_artifact_carries_gpu_code_for_the_asked_arch(arch, tiny_llama, tmp_path):
     out = compile_artifact(tiny_llama, tmp_path / arch, backend="tvm", target="cuda", cuda_arch=arch)

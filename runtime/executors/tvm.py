@@ -71,7 +71,10 @@ class TvmExecutor(Executor):
         max_batch: int = 4,
         max_context: int = 2048,
         all_positions: bool = False,
+        threads: int = 0,
     ) -> None:
+        if threads > 0:
+            tvm.get_global_func("runtime.config_threadpool")(1, threads)  # TVM's pool: 1 = big cores first
         self.device = DEVICES[device](0)
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(library), self.device)
         self.params = [tvm.runtime.tensor(w, self.device) for w in weights.values()]
@@ -86,8 +89,6 @@ class TvmExecutor(Executor):
     def from_artifact(
         cls, artifact: Path, manifest: dict[str, Any], max_batch: int, max_context: int, threads: int = 0
     ) -> TvmExecutor:
-        if threads > 0:
-            tvm.get_global_func("runtime.config_threadpool")(1, threads)  # 1: big cores first
         device_code = manifest["tvm"].get("device_code")
         if device_code is not None:
             use_prebuilt_kernels((artifact / device_code["file"]).read_bytes(), device_code["source_sha256"])
@@ -101,6 +102,7 @@ class TvmExecutor(Executor):
             max_batch=max_batch,
             max_context=max_context,
             all_positions=prefill["outputs"][0]["shape"][1] == "tokens",
+            threads=threads,
         )
 
     def step(self, batch: StepBatch) -> np.ndarray:
