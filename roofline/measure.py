@@ -77,7 +77,10 @@ def step_batch(step: Step) -> StepBatch:
 
 
 def time_step(executor: Executor, step: Step, repeats: int) -> list[float]:
-    """Seconds of `repeats` runs of `step`, after one warm-up run."""
+    """Seconds of `repeats` runs of `step`, after one warm-up run; the `past` tokens are prefilled first (a
+    paged cache, TVM's, only runs steps over tokens it really holds)."""
+    if step.past:
+        executor.step(StepBatch(list(range(step.batch)), [[1] * step.past] * step.batch, [0] * step.batch))
     batch = step_batch(step)
     executor.step(batch)
     times = []
