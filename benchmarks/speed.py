@@ -1,9 +1,9 @@
 """Decode speed and time to first token, measured in one run for every engine in the table.
 
 Rows: transformers eager (its own forward with a DynamicCache, fp32), llmlower's torch reference backend
-(fp32), llmlower ONNX artifacts (fp32, q8, q4g32; compiled once into --artifacts and reused), and the
-peers of benchmarks/peers/ (ONNX Runtime GenAI int4, llama.cpp on the example's Q4_1 GGUF) where their
-setup.sh has been run. Same token sequences everywhere. Decode: batch 1, N new tokens (greedy, EOS ignored),
+(fp32), llmlower ONNX artifacts (fp32, q8, q4g32) and TVM CPU artifacts (fp32, q4g32), compiled once into
+--artifacts and reused, and the peers of benchmarks/peers/ (ONNX Runtime GenAI int4, llama.cpp on the
+example's Q4_1 GGUF) where their setup.sh has been run. Same token sequences everywhere. Decode: batch 1, N new tokens (greedy, EOS ignored),
 tokens/s as the median over repeats. TTFT: prefill of a 13-token and a 512-token prompt, median.
 
     .venv/bin/python benchmarks/speed.py [--model example] [--new-tokens 128] [--repeats 3] [--threads N]
@@ -36,11 +36,13 @@ from llmlower.runtime import Engine, Executor, StepBatch
 PEERS = Path(__file__).parent / "peers"
 # row -> (artifact directory name, build_pipeline options). The last row reads what onnxruntime-genai's
 # int4 model reads per token (symmetric int4, int4 LM head): the same bytes, at its perplexity cost.
-ARTIFACTS = {
-    "onnx fp32": ("none", {}),
-    "onnx q8": ("q8", {"quant": "q8"}),
-    "onnx q4g32": ("q4g32", {"quant": "q4g32"}),
-    "onnx q4g32-sym int4 head": ("q4g32-sym-head4", {"quant": "q4g32-sym", "lm_head_bits": 4}),
+ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline options)
+    "onnx fp32": ("none", "onnx", {}),
+    "onnx q8": ("q8", "onnx", {"quant": "q8"}),
+    "onnx q4g32": ("q4g32", "onnx", {"quant": "q4g32"}),
+    "onnx q4g32-sym int4 head": ("q4g32-sym-head4", "onnx", {"quant": "q4g32-sym", "lm_head_bits": 4}),
+    "tvm fp32": ("tvm-none", "tvm", {}),
+    "tvm q4g32": ("tvm-q4g32", "tvm", {"quant": "q4g32"}),
 }
 PROMPT_TOKENS = (13, 512)
 FILLER = (
@@ -99,19 +101,17 @@ def measure(prefill: Prefill, decode: Decode, prompts: dict[int, list[int]], new
     }
 
 
-def onnx_artifact(
-    model: str, options: dict, directory: Path, threads: int, context: int, rebuild: bool
+def artifact(
+    model: str, backend: str, options: dict, directory: Path, threads: int, context: int, rebuild: bool
 ) -> tuple[Prefill, Decode]:
-    """An ONNX artifact of MODEL with build_pipeline `options`, compiled into `directory` unless one with the
-    same passes and pass options is already there (--rebuild compiles anyway)."""
+    """A `backend` artifact of MODEL with build_pipeline `options`, compiled into `directory` unless one with
+    the same backend, passes and pass options is already there (--rebuild compiles anyway)."""
     pipeline = build_pipeline(**options)
-    manifest = directory / "manifest.json"
+    manifest = json.loads((directory / "manifest.json").read_text()) if (directory / "manifest.json").exists() else {}
     wanted = [(p, {}) if isinstance(p, str) else (p[0], p[1]) for p in pipeline]
-    built = (
-        [(p["name"], p["options"]) for p in json.loads(manifest.read_text())["pipeline"]] if manifest.exists() else []
-    )
-    if rebuild or built != wanted:
-        compile_artifact(model, directory, pipeline)
+    built = [(p["name"], p["options"]) for p in manifest.get("pipeline", [])]
+    if rebuild or manifest.get("backend") != backend or built != wanted:
+        compile_artifact(model, directory, pipeline, backend=backend)
     return llmlower_executor(Engine.load(directory, max_batch=1, max_context=context, threads=threads).executor)
 
 
@@ -149,8 +149,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--artifacts", type=Path, help="where ONNX artifacts are compiled and reused")
-    parser.add_argument("--rebuild", action="store_true", help="compile the ONNX artifacts even if present")
+    parser.add_argument("--artifacts", type=Path, help="where the artifacts are compiled and reused")
+    parser.add_argument("--rebuild", action="store_true", help="compile the artifacts even if present")
     parser.add_argument("--only", help="comma-separated row names to run (default: all)")
     parser.add_argument("--json", help="also write the table to this file")
     args = parser.parse_args()
@@ -166,9 +166,9 @@ def main() -> None:
         "transformers eager fp32": lambda: transformers_eager(loaded.module),
         "llmlower torch fp32": lambda: llmlower_executor(TorchExecutor(program, max_batch=1, max_context=context)),
     }
-    for row, (name, options) in ARTIFACTS.items():
-        engines[row] = lambda o=options, d=artifacts / name: onnx_artifact(
-            args.model, o, d, args.threads, context, args.rebuild
+    for row, (name, backend, options) in ARTIFACTS.items():
+        engines[row] = lambda b=backend, o=options, d=artifacts / name: artifact(
+            args.model, b, o, d, args.threads, context, args.rebuild
         )
     peers = peer_models() if args.model == "example" else {}
     wanted = set(args.only.split(",")) if args.only else set(engines) | set(peers)
