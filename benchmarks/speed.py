@@ -3,8 +3,9 @@
 Rows: transformers eager (its own forward with a DynamicCache, fp32), llmlower's torch reference backend
 (fp32), llmlower ONNX artifacts (fp32, q8, q4g32) and TVM CPU artifacts (fp32, q4g32), compiled once into
 --artifacts and reused, and the peers of benchmarks/peers/ (ONNX Runtime GenAI int4, llama.cpp on the
-example's Q4_1 GGUF) where their setup.sh has been run. Same token sequences everywhere. Decode: batch 1, N new tokens (greedy, EOS ignored),
-tokens/s as the median over repeats. TTFT: prefill of a 13-token and a 512-token prompt, median.
+example's Q4_1 GGUF) where their setup.sh has been run. Same token sequences everywhere. Decode: batch 1,
+N new tokens (greedy, EOS ignored), tokens/s as the median over repeats. TTFT: prefill of a 13-token and a
+512-token prompt, median.
 
     .venv/bin/python benchmarks/speed.py [--model example] [--new-tokens 128] [--repeats 3] [--threads N]
         [--artifacts DIR] [--only NAME,...] [--json FILE]

@@ -15,7 +15,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
 ROWS_PER_CHUNK = 8
-LANES = 16  # two AVX2 / one AVX-512 float32 vector
+LANES = 8  # one AVX2 float32 vector: ROWS_PER_CHUNK accumulators + x + w fit the 16 vector registers
 
 
 class WeightRowMatmul(CPUScheduleRule):
@@ -53,21 +53,22 @@ def _schedule(sch: s_tir.Schedule, block, loops, producers, consumers) -> s_tir.
     *rows, column, k = loops
     chunk, column = sch.split(column, [None, ROWS_PER_CHUNK])
     k_outer, lane = sch.split(k, [None, LANES])
-    sch.reorder(chunk, *rows, column, k_outer, lane)
+    sch.reorder(chunk, *rows, k_outer, column, lane)  # one x vector, then a chunk's weight rows against it
     sch.parallel(chunk)
     output_rank = len(sch.get(block).writes[0].region)
-    partial = sch.rfactor(lane, factor_axis=output_rank)  # lanes last: one vector per (row, column)
-    sch.compute_at(partial, column)  # the lanes' dot product, then (the block itself) their sum
-    lanes, steps = sch.get_loops(partial)[-2:]  # compute_at puts the spatial lane loop first
-    sch.reorder(steps, lanes)
-    sch.vectorize(lanes)
+    partial = sch.rfactor(lane, factor_axis=output_rank)  # per (row, column): LANES partial sums
+    partial_loops = sch.get_loops(partial)  # chunk, rows..., k_outer, column, lane, as ordered above
+    sch.vectorize(partial_loops[-1])
+    sch.unroll(partial_loops[-2])  # ROWS_PER_CHUNK independent accumulators
+    row = partial_loops[-4] if rows else partial_loops[0]
+    sch.reverse_compute_at(block, row)  # add the lanes up once a row's dot products are done
     for producer in reversed(producers):  # dequantize a chunk of weight rows once, for all activation rows
-        sch.compute_at(producer, chunk)
+        sch.compute_at(producer, partial_loops[0])
         _, lanes = sch.split(sch.get_loops(producer)[-1], [None, LANES])
         sch.vectorize(lanes)
     for consumer in consumers:
         try:
             sch.reverse_compute_inline(consumer)
-        except s_tir.ScheduleError:  # e.g. a residual add reading another tensor too: right after each column
-            sch.reverse_compute_at(consumer, column)
+        except s_tir.ScheduleError:  # e.g. a residual add reading another tensor too: right after each row
+            sch.reverse_compute_at(consumer, row)
     return sch
