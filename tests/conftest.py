@@ -4,6 +4,7 @@ checkpoint directories with a small byte-level BPE tokenizer) and the real SmolL
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 import textwrap
@@ -121,3 +122,24 @@ def run_without_torch(code: str) -> subprocess.CompletedProcess:
 @pytest.fixture()
 def without_torch():
     return run_without_torch
+
+
+EM_CUDA = 190  # e_machine of NVIDIA GPU code
+
+
+def cuda_elf_arches(fatbin: bytes) -> set[int]:
+    """SM versions of the CUDA ELF images (e_machine 190) in a fatbin, from each ELF header's e_flags."""
+    arches, start = set(), fatbin.find(b"\x7fELF")
+    while start >= 0:
+        machine = struct.unpack_from("<H", fatbin, start + 18)[0]
+        flags = struct.unpack_from("<I", fatbin, start + 48)[0]
+        if machine == EM_CUDA:
+            arches.add((flags >> 8) & 0xFF or flags & 0xFF)  # newer ELF ABI: bits 8-15; older: the low byte
+        start = fatbin.find(b"\x7fELF", start + 1)
+    return arches
+
+
+@pytest.fixture()
+def elf_arches():
+    """cuda_elf_arches, for tests that check a fatbin's GPU architectures."""
+    return cuda_elf_arches

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 
 import numpy as np
 import pytest
@@ -22,7 +21,6 @@ from llmlower.runtime import StepBatch
 from llmlower.runtime.executors.tvm import ragged_rows
 
 PROMPT_LENS = [5, 9, 3]
-EM_CUDA = 190
 
 
 def _max_difference(program) -> float:
@@ -150,23 +148,11 @@ def test_unknown_target_and_misplaced_options_are_refused(tiny_llama, tmp_path, 
     assert not out.exists()
 
 
-def _cuda_elf_arches(fatbin: bytes) -> set[int]:
-    """SM versions of the CUDA ELF images (e_machine 190) in a fatbin, from each ELF header's e_flags."""
-    arches, start = set(), fatbin.find(b"\x7fELF")
-    while start >= 0:
-        machine = struct.unpack_from("<H", fatbin, start + 18)[0]
-        flags = struct.unpack_from("<I", fatbin, start + 48)[0]
-        if machine == EM_CUDA:
-            arches.add((flags >> 8) & 0xFF or flags & 0xFF)  # newer ELF ABI: bits 8-15; older: the low byte
-        start = fatbin.find(b"\x7fELF", start + 1)
-    return arches
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="building for cuda needs nvcc (the CUDA toolkit)")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_a_cuda_artifact_carries_gpu_code_for_the_asked_arch(arch, tiny_llama, tmp_path):
+def test_a_cuda_artifact_carries_gpu_code_for_the_asked_arch(arch, tiny_llama, tmp_path, elf_arches):
     out = compile_artifact(tiny_llama, tmp_path / arch, backend="tvm", target="cuda", cuda_arch=arch)
     manifest = json.loads((out / "manifest.json").read_text())
     assert (manifest["dtype"], manifest["tvm"]["cuda_arch"]) == ("float16", arch)
     device_code = manifest["tvm"]["device_code"]
-    assert _cuda_elf_arches((out / device_code["file"]).read_bytes()) == {int(arch[3:])}
+    assert elf_arches((out / device_code["file"]).read_bytes()) == {int(arch[3:])}
