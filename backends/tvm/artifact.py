@@ -16,7 +16,7 @@ from ...runtime.artifact import write_artifact
 from ...runtime.executors.tvm import PAGE_SIZE
 from ..manifest import program_manifest
 from .compile import compile_module, cuda_binary, tvm_target
-from .relax_import import KV_CACHE, PADDED_ROWS, RAGGED_ROWS, STEP_FUNCTIONS, to_relax
+from .relax_import import STEP_FUNCTIONS, to_relax
 
 LIBRARY, WEIGHTS, DEVICE_CODE = "model.so", "weights.safetensors", "model.fatbin"
 
@@ -52,8 +52,8 @@ def build(
             write_extra(staging)
 
     spec = program.spec
-    data_inputs = [t.to_dict() for t in program.inputs if not t.name.startswith(("k_cache_", "v_cache_"))]
-    inputs = [*data_inputs, {"name": KV_CACHE}, {"name": RAGGED_ROWS}, {"name": PADDED_ROWS}]
+    declared = {t.name: t.to_dict() for t in program.inputs}
+    inputs = [declared.get(name, {"name": name}) for name in model.inputs]
     logits = program.outputs[program.output_names.index("logits")].to_dict()
     manifest = {
         **program_manifest(program, "tvm", target),

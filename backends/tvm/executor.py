@@ -19,8 +19,6 @@ def cpu_executor(program: Program, max_batch: int = 4, max_context: int = 2048, 
     with stage("lower to Relax and compile with TVM"):
         model = to_relax(program, target)
         executable = compile_module(model.module, target)
-    prefill = model.module["prefill"]
-    inputs = [v.name for v in prefill.params[: int(prefill.attrs["num_input"])]]
     all_positions = program.outputs[program.output_names.index(LOGITS)].shape[1] == "tokens"
     with tempfile.TemporaryDirectory() as directory:  # the loaded library stays mapped once the file is gone
         library = str(Path(directory) / "model.so")
@@ -28,7 +26,7 @@ def cpu_executor(program: Program, max_batch: int = 4, max_context: int = 2048, 
         return TvmExecutor(
             library,
             model.params,
-            inputs,
+            model.inputs,
             max_batch=max_batch,
             max_context=max_context,
             all_positions=all_positions,

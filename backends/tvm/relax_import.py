@@ -40,6 +40,12 @@ class RelaxModel:
     params: dict[str, np.ndarray]
     cache_rotates: bool
 
+    @property
+    def inputs(self) -> list[str]:
+        """The step functions' data inputs, in call order (the weights follow them)."""
+        prefill = self.module["prefill"]
+        return [v.name for v in prefill.params[: int(prefill.attrs["num_input"])]]
+
 
 class StepImporter(ExportedProgramImporter):
     """from_exported_program's importer with the KV-cache tensors replaced by TVM's paged KV cache object
