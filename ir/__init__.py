@@ -2,6 +2,8 @@
 
 from .attention import ATTENTION
 from .norms import ADD_RMS_NORM, RMS_NORM
+from .paged_attention import PAGED_ATTENTION
+from .paged_qkv_attention import PAGED_QKV_ATTENTION
 from .program import Program, TensorSpec
 from .qkv_attention import QKV_ATTENTION
 from .qlinear import QEMBEDDING, QLINEAR
@@ -13,6 +15,8 @@ __all__ = [
     "ADD_RMS_NORM",
     "ATTENTION",
     "OPS",
+    "PAGED_ATTENTION",
+    "PAGED_QKV_ATTENTION",
     "QEMBEDDING",
     "QKV_ATTENTION",
     "QLINEAR",

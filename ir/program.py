@@ -15,15 +15,13 @@ import torch
 import torch.fx
 
 from ..spec import ModelSpec
+from ..step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout
+from ..step_io import LOGITS as LOGITS  # re-exported: the program's names are the step interface's
+from ..step_io import cache_names as cache_names
 
-INPUT_IDS = "input_ids"
-POSITION_IDS = "position_ids"
-PAST_LENS = "past_lens"
-INPUT_LENS = "input_lens"
-LOGITS = "logits"
-
-DIM_NAMES = ("batch", "tokens", "context")
+DIM_NAMES = ("batch", "tokens", "context", "seqs", "blocks", "pool")
 _MAX_BATCH = 4096
+_MAX_PACKED_TOKENS = 1 << 16  # a PAGED step packs every sequence's tokens into one row
 
 # Checks torch.export leaves in the graph; they guard the capture, not the computation.
 ASSERT_TARGETS = {
@@ -32,11 +30,6 @@ ASSERT_TARGETS = {
     torch.ops.aten.sym_constrain_range.default,
     torch.ops.aten.sym_constrain_range_for_size.default,
 }
-
-
-def cache_names(layer: int) -> tuple[str, str]:
-    """Names of a layer's key and value cache tensors (inputs, and the updated outputs)."""
-    return f"k_cache_{layer}", f"v_cache_{layer}"
 
 
 @dataclass(frozen=True)
@@ -87,6 +80,21 @@ class Program:
     def has_kv_cache(self) -> bool:
         return PAST_LENS in self.input_names
 
+    @property
+    def kv_layout(self) -> KVLayout | None:
+        """SLOTS after kv_cache, PAGED after paged_attention, None before any KV cache."""
+        if BLOCK_TABLES in self.input_names:
+            return KVLayout.PAGED
+        return KVLayout.SLOTS if self.has_kv_cache else None
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block of a PAGED program (the pools' second dimension)."""
+        pools = [t for t in self.inputs if len(t.shape) == 4 and t.shape[0] == "pool"]
+        if not pools:
+            raise ValueError("the program has no KV block pools (apply the paged_attention pass)")
+        return int(pools[0].shape[1])
+
     @torch.no_grad()
     def __call__(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         """Run the graph eagerly on named inputs; returns the named outputs."""
@@ -108,13 +116,21 @@ class Program:
         """torch.export of the current graph, dynamic in every named dimension but those `fixed` to a size
         (e.g. {"tokens": 1}: a decode-only graph)."""
         fixed = fixed or {}
+        paged = self.kv_layout is KVLayout.PAGED
+        max_tokens = _MAX_PACKED_TOKENS if paged else self.spec.max_positions
         dims = {
             "batch": torch.export.Dim("batch", min=1, max=_MAX_BATCH),
-            "tokens": torch.export.Dim("tokens", min=1, max=self.spec.max_positions),
+            "tokens": torch.export.Dim("tokens", min=1, max=max_tokens),
             "context": torch.export.Dim("context", min=1, max=self.spec.max_positions),
+            "seqs": torch.export.Dim("seqs", min=1, max=_MAX_BATCH),
+            "blocks": torch.export.Dim("blocks", min=1, max=self.spec.max_positions),
+            "pool": torch.export.Dim("pool", min=2, max=1 << 24),
         }
-        sizes = {"batch": 2, "tokens": 5, "context": 7} | fixed
-        example = example_inputs(self, **sizes)
+        sizes = {"batch": 2, "tokens": 5, "context": 7, "seqs": 2, "blocks": 3, "pool": 7} | fixed
+        if paged:
+            example = paged_example_inputs(self, sizes["seqs"], sizes["tokens"], sizes["blocks"], sizes["pool"])
+        else:
+            example = example_inputs(self, sizes["batch"], sizes["tokens"], sizes["context"])
         args = tuple(example[t.name] for t in self.inputs)
         dynamic = tuple(
             {axis: dims[d] for axis, d in enumerate(t.shape) if isinstance(d, str) and d not in fixed}
@@ -193,6 +209,39 @@ def example_inputs(
     sizes = {"batch": batch, "tokens": tokens, "context": context}
     for t in program.inputs:
         if t.name not in values:  # a cache or any other float input: noise of its declared shape
+            shape = tuple(sizes[d] if isinstance(d, str) else d for d in t.shape)
+            values[t.name] = torch.randn(shape, generator=gen).to(getattr(torch, t.dtype))
+    return {t.name: values[t.name] for t in program.inputs}
+
+
+def paged_example_inputs(
+    program: Program, seqs: int, tokens: int, blocks: int, pool: int, past_max: int | None = None, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random inputs for a PAGED program: `tokens` new tokens packed over `seqs` sequences (each at least one),
+    random past lengths (up to past_max) that fit `blocks` blocks each, block tables naming random blocks of a
+    pool of `pool` blocks, pools filled with noise."""
+    if not 0 < seqs <= tokens:
+        raise ValueError(f"{tokens} packed tokens cannot hold {seqs} sequences")
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.ones(seqs, dtype=torch.int64)
+    lens += torch.bincount(torch.randint(0, seqs, (tokens - seqs,), generator=gen), minlength=seqs)
+    room = blocks * program.block_size - lens
+    if (room < 0).any():
+        raise ValueError(f"{blocks} blocks of {program.block_size} tokens cannot hold {int(lens.max())} new tokens")
+    limit = room if past_max is None else room.clamp(max=past_max)
+    past = (torch.rand(seqs, generator=gen) * (limit + 1)).long()
+    sequence = torch.repeat_interleave(torch.arange(seqs), lens)
+    positions = past[sequence] + torch.arange(tokens) - (torch.cumsum(lens, 0) - lens)[sequence]
+    values: dict[str, torch.Tensor] = {
+        INPUT_IDS: torch.randint(0, program.spec.vocab_size, (1, tokens), generator=gen),
+        POSITION_IDS: positions[None],
+        PAST_LENS: past,
+        INPUT_LENS: lens,
+        BLOCK_TABLES: torch.randint(0, pool, (seqs, blocks), generator=gen),
+    }
+    sizes = {"tokens": tokens, "seqs": seqs, "blocks": blocks, "pool": pool}
+    for t in program.inputs:
+        if t.name not in values:  # a pool or any other float input: noise of its declared shape
             shape = tuple(sizes[d] if isinstance(d, str) else d for d in t.shape)
             values[t.name] = torch.randn(shape, generator=gen).to(getattr(torch, t.dtype))
     return {t.name: values[t.name] for t in program.inputs}

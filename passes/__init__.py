@@ -8,10 +8,11 @@ from . import (  # noqa: F401  (registration)
     fuse_rope,
     kv_cache,
     last_token_logits,
+    paged_attention,
     quantize_weights,
 )
 from .manager import run_pipeline
-from .pipelines import DEFAULT_PIPELINE, FUSION, build_pipeline, parse_quant
+from .pipelines import DEFAULT_PIPELINE, FUSION, build_pipeline, parse_quant, with_kv_layout
 from .registry import PASSES, Pass, register_pass
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "parse_quant",
     "register_pass",
     "run_pipeline",
+    "with_kv_layout",
 ]

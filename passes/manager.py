@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from ..errors import PassError
-from ..ir.program import INPUT_LENS, LOGITS, PassRecord, Program, example_inputs
+from ..ir.program import INPUT_LENS, LOGITS, PassRecord, Program, example_inputs, paged_example_inputs
 from ..progress import stage
+from ..step_io import KVLayout
 from .registry import PASSES
 
 PassSpec = str | tuple[str, dict[str, Any]]
@@ -51,7 +52,9 @@ def _run_one(program: Program, name: str, options: dict[str, Any], verify: bool)
     # A past in the cache only when the program before the pass already has a cache.
     past_max = VERIFY_CONTEXT - VERIFY_TOKENS if program.has_kv_cache else 0
     if verify:
-        reference = program(**_verify_inputs(program, past_max))
+        check = p.verification
+        before_inputs = check.inputs(program, options) if check else _verify_inputs(program, past_max)
+        reference = program(**before_inputs)
     with stage(f"pass {name}") as shown:
         started = time.perf_counter()
         program, pass_stats = p.run(program, **options)
@@ -59,8 +62,14 @@ def _run_one(program: Program, name: str, options: dict[str, Any], verify: bool)
         after = program.graph_stats()
         max_error = None
         if verify:
-            inputs = _verify_inputs(program, past_max)
-            max_error = _compare(reference, program(**inputs), inputs.get(INPUT_LENS), p.tolerance_for(options), name)
+            if check:
+                inputs, result = before_inputs, check.run(program, before_inputs, options)
+            else:
+                inputs = _verify_inputs(program, past_max)
+                result = program(**inputs)
+            paged = program.kv_layout is KVLayout.PAGED and not check  # a layout-changing check returns slot outputs
+            lens = inputs.get(INPUT_LENS)
+            max_error = _compare(reference, result, lens, paged, p.tolerance_for(options), name)
         stats = {**pass_stats, **{f"{k}_before": v for k, v in before.items()}, **after}
         shown.detail = ", ".join(f"{k}={v}" for k, v in pass_stats.items()) + (
             f", verified (max error {max_error:.2e})" if verify else ""
@@ -70,6 +79,10 @@ def _run_one(program: Program, name: str, options: dict[str, Any], verify: bool)
 
 
 def _verify_inputs(program: Program, past_max: int) -> dict[str, torch.Tensor]:
+    if program.kv_layout is KVLayout.PAGED:
+        blocks = -(-VERIFY_CONTEXT // program.block_size)
+        tokens = VERIFY_BATCH * VERIFY_TOKENS
+        return paged_example_inputs(program, VERIFY_BATCH, tokens, blocks, 4 * blocks, past_max=past_max, seed=1234)
     return example_inputs(program, VERIFY_BATCH, VERIFY_TOKENS, VERIFY_CONTEXT, past_max=past_max, seed=1234)
 
 
@@ -77,17 +90,21 @@ def _compare(
     reference: dict[str, torch.Tensor],
     result: dict[str, torch.Tensor],
     input_lens: torch.Tensor | None,
+    paged: bool,
     tolerance: float,
     name: str,
 ) -> float:
     """Largest error over the outputs both programs have, relative to the reference's magnitude; logits
-    only at real (non-padding) positions."""
+    only at real (non-padding) positions (`paged`: tokens packed in one row, no padding)."""
     worst = 0.0
     for key in reference.keys() & result.keys():
         expected, actual = reference[key].float(), result[key].float()
         if key == LOGITS and actual.shape[1] == 1 < expected.shape[1]:  # last-token logits vs every position
-            expected = expected[torch.arange(expected.shape[0]), input_lens - 1][:, None]
-        elif key == LOGITS and input_lens is not None:
+            if paged:
+                expected = expected[0, torch.cumsum(input_lens, 0) - 1][:, None]
+            else:
+                expected = expected[torch.arange(expected.shape[0]), input_lens - 1][:, None]
+        elif key == LOGITS and input_lens is not None and not paged:
             valid = torch.arange(expected.shape[1])[None, :] < input_lens[:, None]
             expected, actual = expected[valid], actual[valid]
         error = float((expected - actual).abs().max()) / max(1.0, float(expected.abs().max()))

@@ -7,10 +7,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import PassError
+from ..step_io import KVLayout
 from .manager import PassSpec
 from .registry import PASSES
 
 FUSION: tuple[str, ...] = ("fuse_norms", "fuse_rope", "fuse_projections")
+# the paged_attention pass is added per backend and target (with_kv_layout)
 DEFAULT_PIPELINE: tuple[str, ...] = ("canonicalize", *FUSION, "kv_cache", "fuse_qkv_attention", "last_token_logits")
 QUANT_NAMES = "none, q8, q8g64, q8g128, q4g32, q4g64, q4g128 (asymmetric; -zp4: 4-bit zero points; -sym: symmetric)"
 _INT8 = re.compile(r"q8(?:g(32|64|128))?")
@@ -65,3 +67,28 @@ def build_pipeline(
             options["lm_head_bits"] = lm_head_bits
         pipeline.append(("quantize_weights", options))
     return pipeline
+
+
+def with_kv_layout(pipeline: Sequence[PassSpec], layout: KVLayout, block_size: int | None = None) -> list[PassSpec]:
+    """The pipeline for a backend whose programs use `layout`: PAGED adds paged_attention (with `block_size`)
+    before last_token_logits unless the pipeline has it; SLOTS refuses it."""
+    steps = [(p, {}) if isinstance(p, str) else (p[0], dict(p[1])) for p in pipeline]
+    names = [name for name, _ in steps]
+    if layout is KVLayout.SLOTS:
+        if "paged_attention" in names:
+            raise PassError("this backend and target run programs with a per-sequence KV cache: drop paged_attention")
+        return list(pipeline)
+    if "kv_cache" not in names:
+        raise PassError("a paged KV cache needs the kv_cache pass in the pipeline")
+    if "paged_attention" in names:
+        options = steps[names.index("paged_attention")][1]
+        if block_size is not None and options.setdefault("block_size", block_size) != block_size:
+            raise PassError(
+                f"--block-size {block_size} differs from paged_attention's block_size {options['block_size']}"
+            )
+    else:
+        at = names.index("last_token_logits") if "last_token_logits" in names else names.index("kv_cache") + 1
+        if "fuse_qkv_attention" in names[at:]:
+            at = names.index("fuse_qkv_attention") + 1
+        steps.insert(at, ("paged_attention", {} if block_size is None else {"block_size": block_size}))
+    return [name if not options else (name, options) for name, options in steps]

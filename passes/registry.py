@@ -6,7 +6,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..ir.program import Program
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Verification:
+    """How --verify compares a pass that changes what the program's inputs mean (e.g. the KV layout): `inputs`
+    builds inputs for the program before the pass; `run` runs the program after the pass on the same
+    computation and returns its outputs as the program before would name and shape them."""
+
+    inputs: Callable[[Program, dict[str, Any]], Tensors]
+    run: Callable[[Program, Tensors, dict[str, Any]], Tensors]
 
 
 @dataclass(frozen=True)
@@ -15,7 +29,8 @@ class Pass:
 
     `run(program, **options)` returns the rewritten program and a dict of pass-specific stats (e.g. the
     number of pattern matches). `tolerance` bounds verification's relative error for this pass: a number,
-    or a function of the pass's options (quantization depends on the bit width).
+    or a function of the pass's options (quantization depends on the bit width). `verification` replaces the
+    default check (both programs on the same random inputs) where the inputs' meaning changes.
     """
 
     name: str
@@ -23,6 +38,7 @@ class Pass:
     explain: str
     run: Callable[..., tuple[Program, dict[str, Any]]]
     tolerance: float | Callable[[dict[str, Any]], float] = 1e-5
+    verification: Verification | None = None
 
     def tolerance_for(self, options: dict[str, Any]) -> float:
         return self.tolerance(options) if callable(self.tolerance) else self.tolerance

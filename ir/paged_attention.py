@@ -1,0 +1,81 @@
+"""`paged_attention`: `attention` over a pool of fixed-size KV blocks addressed by block tables.
+
+The step's tokens are packed: q is [1, heads, tokens, head_dim] and k, v are [1, kv_heads, tokens, head_dim]
+(kv heads only), holding sequence 0's input_lens[0] new tokens, then sequence 1's, and so on. The pools are
+[num_blocks, block_size, kv_heads, head_dim]; position p of sequence s lives in block block_tables[s, p //
+block_size] at offset p % block_size. New token t of sequence s sits at position past_lens[s] + t: the op
+writes its k/v into the pools there and returns (out [1, heads, tokens, head_dim], updated k_pool, updated
+v_pool), each new token attending to its own sequence's positions j <= its own (and j > that - window when
+window > 0). Sequences may share blocks (a cached prefix) and blocks may sit anywhere in the pool; a step
+never writes a block another sequence reads (the runtime's block manager copies a shared block first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import attention_cost
+from .registry import NAMESPACE, OpDef, register_op
+
+
+def packed_positions(past_lens: torch.Tensor, input_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For packed tokens: each token's sequence index and its position in that sequence."""
+    sequence = torch.repeat_interleave(torch.arange(len(input_lens), device=input_lens.device), input_lens)
+    starts = torch.cumsum(input_lens, 0) - input_lens
+    offset = torch.arange(len(sequence), device=input_lens.device) - starts[sequence]
+    return sequence, past_lens[sequence] + offset
+
+
+@torch.library.custom_op(f"{NAMESPACE}::paged_attention", mutates_args=())
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    past_lens: torch.Tensor,
+    input_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    block_size = k_pool.shape[1]
+    sequence, positions = packed_positions(past_lens, input_lens)
+    if positions.numel() and int(positions.max()) >= block_tables.shape[1] * block_size:
+        raise ValueError(f"paged_attention: position {int(positions.max())} is beyond the sequence's block table")
+    k_pool, v_pool = k_pool.clone(), v_pool.clone()
+    count = len(sequence)
+    blocks = block_tables[sequence, positions // block_size]
+    k_pool[blocks, positions % block_size] = k[0, :, :count].transpose(0, 1)
+    v_pool[blocks, positions % block_size] = v[0, :, :count].transpose(0, 1)
+
+    out = torch.zeros_like(q)
+    start = 0
+    for row, (past, new) in enumerate(zip(past_lens.tolist(), input_lens.tolist(), strict=True)):
+        keys = torch.arange(past + new, device=q.device)
+        where = block_tables[row, keys // block_size], keys % block_size
+        k_seq, v_seq = (pool[where].permute(1, 0, 2)[None] for pool in (k_pool, v_pool))  # [1, kv_heads, keys, D]
+        query_positions = past + torch.arange(new, device=q.device)
+        allowed = keys[None, :] <= query_positions[:, None]
+        if window > 0:
+            allowed &= keys[None, :] > query_positions[:, None] - window
+        out[:, :, start : start + new] = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, start : start + new], k_seq, v_seq, attn_mask=allowed[None, None], scale=scale, enable_gqa=True
+        )
+        start += new
+    return out, k_pool, v_pool
+
+
+@paged_attention.register_fake
+def _paged_attention_fake(q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens, scale, window=0):
+    return torch.empty_like(q), torch.empty_like(k_pool), torch.empty_like(v_pool)
+
+
+PAGED_ATTENTION = register_op(
+    OpDef(
+        name="paged_attention",
+        op=torch.ops.llmlower.paged_attention,
+        summary="causal attention over a pool of KV blocks addressed by block tables, appending this step's k/v",
+        cost=attention_cost,
+    )
+)

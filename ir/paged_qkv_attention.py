@@ -1,0 +1,65 @@
+"""`paged_qkv_attention`: `qkv_attention` over block pools (the PAGED layout of `paged_attention`).
+
+qkv is [1, tokens, (heads + 2 kv_heads) * head_dim], the step's tokens packed one sequence after another;
+each token is rotated for its position in its sequence (past_lens[s] + t) with the rows of cos_table /
+sin_table, then attends as `paged_attention` does. Returns (out [1, tokens, heads * head_dim], updated
+k_pool, updated v_pool). This is ONNX Runtime's PagedAttention with packed qkv and do_rotary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .paged_attention import packed_positions
+from .qkv_attention import qkv_attention_cost
+from .registry import NAMESPACE, OpDef, register_op
+
+
+@torch.library.custom_op(f"{NAMESPACE}::paged_qkv_attention", mutates_args=())
+def paged_qkv_attention(
+    qkv: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    past_lens: torch.Tensor,
+    input_lens: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens = qkv.shape[1]
+    head_dim = k_pool.shape[-1]
+    q, k, v = (
+        part.reshape(1, tokens, -1, head_dim).transpose(1, 2)
+        for part in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    )
+    positions = torch.zeros(tokens, dtype=torch.int64, device=qkv.device)
+    _, real = packed_positions(past_lens, input_lens)
+    positions[: len(real)] = real.clamp(max=cos_table.shape[0] - 1)
+    cos, sin = (torch.cat((t[positions], t[positions]), dim=-1)[None, None] for t in (cos_table, sin_table))
+    q, k = torch.ops.llmlower.rope(q, cos, sin), torch.ops.llmlower.rope(k, cos, sin)
+    out, k_pool, v_pool = torch.ops.llmlower.paged_attention(
+        q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens, scale, window
+    )
+    return out.transpose(1, 2).reshape(1, tokens, heads * head_dim), k_pool, v_pool
+
+
+@paged_qkv_attention.register_fake
+def _paged_qkv_attention_fake(
+    qkv, k_pool, v_pool, block_tables, past_lens, input_lens, cos_table, sin_table, heads, kv_heads, scale, window=0
+):
+    out = qkv.new_empty((qkv.shape[0], qkv.shape[1], heads * k_pool.shape[-1]))
+    return out, torch.empty_like(k_pool), torch.empty_like(v_pool)
+
+
+PAGED_QKV_ATTENTION = register_op(
+    OpDef(
+        name="paged_qkv_attention",
+        op=torch.ops.llmlower.paged_qkv_attention,
+        summary="rotary + paged attention over a fused qkv projection, block pools",
+        cost=qkv_attention_cost,
+    )
+)

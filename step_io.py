@@ -1,0 +1,52 @@
+"""The step interface that compiled programs and the runtime share: input and output names, KV-cache tensor
+names and the two KV layouts. Plain Python (no torch): the compiler and the runtime both import it.
+
+A step runs the new tokens of several sequences at once. Every program takes `input_ids` and `position_ids`,
+and, once it has a KV cache, each sequence's `past_lens` (tokens already cached) and `input_lens` (new tokens).
+How the cache is addressed is the program's KV layout:
+
+- SLOTS: one contiguous cache per sequence slot, `k_cache_<layer>` / `v_cache_<layer>` of
+  [slots, kv_heads, context, head_dim]; tokens right-padded to [batch, tokens] (ONNX Runtime's
+  GroupQueryAttention updates such a cache in place on the CPU).
+- PAGED: a pool of fixed-size blocks per layer, `k_pool_<layer>` / `v_pool_<layer>` of
+  [num_blocks, block_size, kv_heads, head_dim], addressed by `block_tables` [seqs, max_blocks]; the step's tokens
+  packed one sequence after another in a single row, [1, tokens] (ONNX Runtime's PagedAttention, vLLM's layout).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+PAST_LENS = "past_lens"
+INPUT_LENS = "input_lens"
+BLOCK_TABLES = "block_tables"
+LOGITS = "logits"
+PRESENT_PREFIX = "present_"  # ONNX names each value once: the updated cache k_cache_0 is output present_k_cache_0
+
+_CACHE_NAME = re.compile(r"([kv])_(cache|pool)_(\d+)")
+
+
+class KVLayout(str, enum.Enum):
+    """How a program's KV cache is addressed (see the module docstring)."""
+
+    SLOTS = "slots"
+    PAGED = "paged"
+
+
+def cache_names(layer: int) -> tuple[str, str]:
+    """Names of a layer's key and value caches in the SLOTS layout (inputs, and the updated outputs)."""
+    return f"k_cache_{layer}", f"v_cache_{layer}"
+
+
+def pool_names(layer: int) -> tuple[str, str]:
+    """Names of a layer's key and value block pools in the PAGED layout."""
+    return f"k_pool_{layer}", f"v_pool_{layer}"
+
+
+def cache_layer(name: str) -> int | None:
+    """The layer of a KV-cache tensor name (k_cache_3, v_pool_0, ...), None for any other name."""
+    match = _CACHE_NAME.fullmatch(name)
+    return int(match.group(3)) if match else None
