@@ -6,14 +6,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .backends.torch import TorchExecutor
+from .backends.torch.executor import DEFAULT_BLOCK_SIZE
 from .errors import LlmlowerError
 from .frontend import LoadedModel, capture, load, resolve_model
 from .ir import Program
-from .passes import DEFAULT_PIPELINE, run_pipeline
+from .passes import DEFAULT_PIPELINE, run_pipeline, with_kv_layout
 from .passes.manager import PassSpec
-from .runtime import Engine, Tokenizer
+from .runtime import Engine, EngineConfig, Tokenizer
 from .runtime.artifact import is_artifact, read_manifest
+from .runtime.backends import get_backend, load_symbol
+from .runtime.block_manager import kv_pool_blocks
 from .runtime.perplexity import PerplexityResult, perplexity
+from .step_io import KVLayout
 
 
 def compile_program(
@@ -21,10 +25,15 @@ def compile_program(
     pipeline: Sequence[PassSpec] = DEFAULT_PIPELINE,
     *,
     dtype: str = "float32",
+    kv_layout: KVLayout | None = None,
+    block_size: int | None = None,
     verify: bool = False,
     dump_dir: str | Path | None = None,
 ) -> tuple[LoadedModel, Program]:
-    """Load MODEL (checkpoint directory, .gguf file or 'example'), capture it and run the pipeline."""
+    """Load MODEL (checkpoint directory, .gguf file or 'example'), capture it and run the pipeline; with
+    `kv_layout`, the pipeline is first adapted to it (PAGED adds paged_attention with `block_size`)."""
+    if kv_layout is not None:
+        pipeline = with_kv_layout(pipeline, kv_layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
     program = run_pipeline(capture(loaded), pipeline, verify=verify, dump_dir=dump_dir)
     return loaded, program
@@ -35,14 +44,25 @@ def load_engine(
     pipeline: Sequence[PassSpec] = DEFAULT_PIPELINE,
     *,
     dtype: str = "float32",
-    max_batch: int = 4,
-    max_context: int | None = 2048,
+    config: EngineConfig | None = None,
     verify: bool = False,
+    **limits: int | bool | None,
 ) -> Engine:
-    """An Engine on the torch reference backend for MODEL."""
-    loaded, program = compile_program(model, pipeline, dtype=dtype, verify=verify)
-    executor = TorchExecutor(program, max_batch=max_batch, max_context=max_context)
-    return Engine(executor, tokenizer_of(loaded), program.spec)
+    """An Engine on the torch reference backend for MODEL (a paged program); `config` or EngineConfig's
+    fields as keywords (max_num_seqs=4, max_context=512, num_blocks=..., ...) set its limits."""
+    config = config or EngineConfig(**limits)
+    layout = get_backend("torch").layout("cpu")
+    block_size = config.block_size or DEFAULT_BLOCK_SIZE
+    loaded, program = compile_program(
+        model, pipeline, dtype=dtype, kv_layout=layout, block_size=block_size, verify=verify
+    )
+    spec = program.spec
+    context = min(config.max_context or spec.max_positions, spec.max_positions)
+    blocks = kv_pool_blocks(
+        spec.kv_bytes_per_token(), block_size, config.max_num_seqs, context, config.num_blocks, config.kv_cache_memory
+    )
+    executor = TorchExecutor(program, max_context=context, num_blocks=blocks)
+    return Engine(executor, tokenizer_of(loaded), spec, config=config)
 
 
 def compile_artifact(
@@ -56,35 +76,38 @@ def compile_artifact(
     accuracy_level: int | None = None,
     cuda_arch: str | None = None,
     cpu: str | None = None,
+    block_size: int | None = None,
     verify: bool = False,
 ) -> Path:
     """Compile MODEL into a deployable artifact directory at `output` (written atomically) with the onnx backend
     (`accuracy_level`: MatMulNBits', default 4) or the tvm one (`cuda_arch` for cuda, e.g. sm_90; `cpu`: the
-    LLVM CPU name, default this machine's). The dtype defaults to float32 on cpu and float16 on cuda."""
+    LLVM CPU name, default this machine's). The dtype defaults to float32 on cpu and float16 on cuda; the
+    pipeline gets the KV layout the backend runs on the target (runtime.backends)."""
+    entry = get_backend(backend)
+    if entry.compiler is None:
+        raise LlmlowerError(f"--backend {backend}: {entry.summary}; compile with one of onnx, tvm")
+    layout = entry.layout(target)  # before the minutes of capture and passes
     if backend == "onnx":
-        from .backends.onnx.artifact import build, check_target
-
         if cuda_arch or cpu:
             raise LlmlowerError("--cuda-arch and --cpu are options of --backend tvm")
-        check_target(target)  # before the minutes of capture and passes
         options = {"accuracy_level": 4 if accuracy_level is None else accuracy_level}
-    elif backend == "tvm":
+    else:
         from .backends.tvm import check_target
-        from .backends.tvm.artifact import build
 
         if accuracy_level is not None:
             raise LlmlowerError("--accuracy-level is an option of --backend onnx")
         check_target(target, cuda_arch)
         options = {"cuda_arch": cuda_arch, "cpu": cpu}
-    else:
-        raise LlmlowerError(f"--backend {backend!r}: available backends are onnx, tvm (torch runs without compiling)")
     dtype = dtype or ("float16" if target == "cuda" else "float32")
-    loaded, program = compile_program(model, pipeline, dtype=dtype, verify=verify)
+    loaded, program = compile_program(
+        model, pipeline, dtype=dtype, kv_layout=layout, block_size=block_size, verify=verify
+    )
 
     def write_model_files(directory: Path) -> None:
         loaded.tokenizer.write(directory)
         loaded.module.generation_config.to_json_file(directory / "generation_config.json")
 
+    build = load_symbol(entry.compiler)
     return build(program, output, target=target, write_extra=write_model_files, **options)
 
 
@@ -107,13 +130,13 @@ def text_perplexity(
     the artifact's). The window is capped at the model's context; the stride defaults to half the window.
     Returns the result and the passes that ran (name, options, stats)."""
     if is_artifact(model):
-        engine = Engine.load(model, max_batch=1, max_context=window)
+        engine = Engine.load(model, EngineConfig(max_num_seqs=1, max_context=window))
         executor, tokenizer, history = engine.executor, engine.tokenizer, read_manifest(model, verify=False)["pipeline"]
         window = min(window, executor.max_context)
     else:
-        loaded, program = compile_program(model, pipeline, dtype=dtype)
+        loaded, program = compile_program(model, pipeline, dtype=dtype, kv_layout=KVLayout.PAGED)
         window = min(window, program.spec.max_positions)
-        executor, tokenizer = TorchExecutor(program, max_batch=1, max_context=window), tokenizer_of(loaded)
+        executor, tokenizer = TorchExecutor(program, max_context=window), tokenizer_of(loaded)
         history = [record.to_dict() for record in program.history]
     ids = tokenizer.encode(text, add_special_tokens=False)
     result = perplexity(executor.prompt_logits, ids, window=window, stride=stride or window // 2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any
 
@@ -63,7 +64,23 @@ def _check_artifact_options(args: argparse.Namespace) -> None:
         raise LlmlowerError(f"{args.model} is a compiled artifact: {', '.join(given)} apply when compiling")
 
 
-def _engine(args: argparse.Namespace, max_batch: int) -> Any:
+def _engine_config(args: argparse.Namespace) -> Any:
+    """The serving limits from --max-num-seqs, --max-num-batched-tokens, --max-context, --block-size,
+    --num-blocks, --kv-cache-memory and --no-prefix-caching."""
+    from .runtime import EngineConfig
+
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_context=args.max_context,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def _engine(args: argparse.Namespace) -> Any:
     """An Engine for MODEL: an artifact runs as compiled (without torch), a checkpoint through the pipeline."""
     from .runtime.artifact import is_artifact
 
@@ -71,17 +88,21 @@ def _engine(args: argparse.Namespace, max_batch: int) -> Any:
     if is_artifact(args.model):
         from .runtime import Engine
 
-        return Engine.load(args.model, max_batch=max_batch, max_context=args.max_context, threads=args.threads)
+        return Engine.load(args.model, _engine_config(args), threads=args.threads)
     from .api import load_engine
 
     return load_engine(
-        args.model,
-        _pipeline(args),
-        dtype=args.dtype or "float32",
-        max_batch=max_batch,
-        max_context=args.max_context,
-        verify=args.verify,
+        args.model, _pipeline(args), dtype=args.dtype or "float32", config=_engine_config(args), verify=args.verify
     )
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes: a number with an optional K, M, G (powers of 1024; KiB, MB, ... read the same)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size like 2G, 512M or 1073741824, got {text!r}")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** "BKMG".index(unit.upper() or "B"))
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
@@ -101,7 +122,7 @@ def _sampling_params(args: argparse.Namespace) -> Any:
 
 def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # bad values fail before the model loads
-    engine = _engine(args, max_batch=params.n)
+    engine = _engine(args)
     if args.stream:
         for delta in engine.stream([args.prompt], params, chat=not args.raw):
             print(delta.text, end="\n\n" if delta.finish_reason and params.n > 1 else "", flush=True)
@@ -129,7 +150,7 @@ def _chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     if params.n != 1:
         raise LlmlowerError("chat: n must be 1")
-    engine = _engine(args, max_batch=1)
+    engine = _engine(args)
     console = Console(stderr=True)
     console.print(f"[dim]chatting with {args.model} ({'greedy' if params.greedy else 'sampling'}); /reset, /exit[/dim]")
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -203,6 +224,7 @@ def _compile(args: argparse.Namespace) -> int:
         accuracy_level=args.accuracy_level,
         cuda_arch=args.cuda_arch,
         cpu=args.cpu,
+        block_size=args.block_size,
         verify=args.verify,
     )
     manifest = read_manifest(out, verify=False)
@@ -334,7 +356,22 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (see llmlower.runtime.sampling.SamplingParams)")
     for name, options in SAMPLING_FLAGS.items():
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, **options)
-    parser.add_argument("--max-context", type=int, default=2048, help="KV-cache length in tokens (default 2048)")
+    parser.add_argument("--max-context", type=int, default=2048, help="longest sequence in tokens (default 2048)")
+    serving = parser.add_argument_group("serving (continuous batching, paged KV cache)")
+    serving.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step (default 16)")
+    serving.add_argument(
+        "--max-num-batched-tokens", type=int, default=512, help="tokens per step, prompt chunks + decodes (default 512)"
+    )
+    serving.add_argument(
+        "--block-size", type=int, help="KV block size in tokens (default 16; fixed by a paged artifact)"
+    )
+    serving.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
+    serving.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        help="KV pool size in bytes, e.g. 2G (default: max-num-seqs full contexts)",
+    )
+    serving.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of cached prefixes")
     parser.add_argument("--threads", type=int, default=0, help="artifact: intra-op threads (default: one per core)")
     parser.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
     _add_pipeline_options(parser)
@@ -374,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comp.add_argument("--cuda-arch", help="tvm, cuda: GPU architecture to build for (sm_80 default, sm_89, sm_90)")
     comp.add_argument("--cpu", help="tvm, cpu: LLVM CPU name to build for (default: this machine's, e.g. znver3)")
+    comp.add_argument("--block-size", type=int, help="KV block size of a paged artifact (tvm, onnx cuda; default 16)")
     comp.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
     _add_pipeline_options(comp)
     comp.set_defaults(run=_compile)
@@ -429,6 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lowest = {
         "max_context": 1,
+        "max_num_seqs": 1,
+        "max_num_batched_tokens": 1,
+        "block_size": 1,
+        "num_blocks": 1,
+        "kv_cache_memory": 1,
         "context": 1,
         "batch": 1,
         "window": 1,

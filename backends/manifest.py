@@ -6,6 +6,7 @@ from typing import Any
 
 from .. import __version__
 from ..ir.program import Program
+from ..step_io import KVLayout
 
 
 def program_manifest(program: Program, backend: str, target: str) -> dict[str, Any]:
@@ -18,3 +19,14 @@ def program_manifest(program: Program, backend: str, target: str) -> dict[str, A
         "spec": program.spec.to_dict(),
         "pipeline": [record.to_dict() for record in program.history],
     }
+
+
+def kv_layout_manifest(program: Program) -> dict[str, Any]:
+    """The artifact's KV layout: SLOTS caches [slots, kv_heads, context, head_dim] (the block size is the
+    runtime's choice), or PAGED pools [num_blocks, block_size, kv_heads, head_dim] (fixed when compiling)."""
+    spec = program.spec
+    layout = {"kind": program.kv_layout.value, "layers": spec.num_layers, "kv_heads": spec.num_kv_heads}
+    layout["head_dim"] = spec.head_dim
+    if program.kv_layout is KVLayout.PAGED:
+        layout["block_size"] = program.block_size
+    return layout

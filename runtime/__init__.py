@@ -1,18 +1,30 @@
-"""The runtime: executor interface, tokenizer, sampler, detokenizer, engine. Imports neither torch nor
-transformers."""
+"""The runtime: executor interface, block manager, scheduler, tokenizer, sampler, detokenizer, engine. Imports
+neither torch nor transformers."""
 
 from .async_engine import AsyncEngine
-from .engine import Engine, GenerationDelta, GenerationResult, Timing, TokenLogprob, Usage
-from .executor import Executor, PaddedBatch, StepBatch, pad_batch
+from .engine import (
+    Engine,
+    EngineConfig,
+    EngineStats,
+    GenerationDelta,
+    GenerationResult,
+    Timing,
+    TokenLogprob,
+    Usage,
+)
+from .executor import Executor, PackedBatch, PaddedBatch, StepBatch, pack_batch, pad_batch, sequential_block_tables
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 __all__ = [
     "AsyncEngine",
     "Engine",
+    "EngineConfig",
+    "EngineStats",
     "Executor",
     "GenerationDelta",
     "GenerationResult",
+    "PackedBatch",
     "PaddedBatch",
     "SamplingParams",
     "StepBatch",
@@ -20,5 +32,7 @@ __all__ = [
     "TokenLogprob",
     "Tokenizer",
     "Usage",
+    "pack_batch",
     "pad_batch",
+    "sequential_block_tables",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import LlmlowerError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: KV layouts 'slots' and 'paged' (continuous batching)
 
 
 class ArtifactError(LlmlowerError):

@@ -1,27 +1,49 @@
 """AsyncEngine: the Engine behind an asyncio API, for web servers.
 
-The engine runs in a worker thread so the event loop stays free; calls are served one at a time (the
-engine and its KV cache are not shared between threads) and each streaming caller gets its deltas through
-its own queue. A caller that stops listening (a client that disconnects) stops its generation at the next
-token. Admitting new requests between decode steps comes with continuous batching.
+One background thread owns the engine and drives `step()` while any request is unfinished, so every caller's
+request joins the same continuous batch. Callers add requests at any time and read their deltas from their own
+queues. A caller that is cancelled (a client that disconnects, `asyncio.wait_for` timing out) or stops
+iterating has its requests aborted: the abort reaches the engine thread before its next step, which frees the
+requests' KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
 
-from .engine import Engine, GenerationDelta, GenerationResult, Prompt
+from ..errors import GenerationError
+from .engine import Engine, EngineStats, GenerationDelta, GenerationResult, Prompt
 from .sampling import SamplingParams
 
-_DONE = object()
+
+@dataclass
+class _Listener:
+    """Where a request's deltas go: an asyncio queue on the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    position: int
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._turn = asyncio.Lock()
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._listeners: dict[str, _Listener] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._stats = engine.stats()
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last step (read without stopping it)."""
+        return self._stats
 
     async def generate(
         self,
@@ -29,9 +51,9 @@ class AsyncEngine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat: bool = True,
     ) -> list[GenerationResult]:
-        """Engine.generate without blocking the event loop."""
-        async with self._turn:
-            return await asyncio.to_thread(self.engine.generate, prompts, params, chat)
+        """Engine.generate without blocking the event loop; cancelling it aborts its requests."""
+        results = [delta.result async for delta in self.stream(prompts, params, chat) if delta.result is not None]
+        return sorted(results, key=lambda r: (r.request, r.index))
 
     async def stream(
         self,
@@ -39,29 +61,114 @@ class AsyncEngine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
-        """Engine.stream's deltas as they are produced."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        stop = threading.Event()
+        """The deltas of every completion as they are produced (`request` is the prompt's position)."""
+        if isinstance(prompts, str):
+            raise GenerationError("prompts must be a list of prompts (a str or a list of messages each)")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise GenerationError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        deltas: asyncio.Queue = asyncio.Queue()
+        request_ids: list[str] = []
+        remaining = sum(p.n for p in params)
+        try:
+            for position, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
+                request_ids.append(f"async-{next(self._ids)}")
+                await self._add(
+                    request_ids[-1],
+                    prompt,
+                    request_params,
+                    chat,
+                    _Listener(asyncio.get_running_loop(), deltas, position),
+                )
+            while remaining:
+                item = await deltas.get()
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= item.finish_reason is not None
+                yield item
+        finally:
+            if not self._closed:
+                for request_id in request_ids:
+                    self._send(lambda request_id=request_id: self._abort(request_id))
 
-        def produce() -> None:
-            try:
-                for delta in self.engine.stream(prompts, params, chat):
-                    loop.call_soon_threadsafe(queue.put_nowait, delta)
-                    if stop.is_set():
-                        break
-            except Exception as exc:  # handed to the caller, raised there
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, _DONE)
+    async def close(self) -> None:
+        """Stop the engine thread once it has finished its current step (unfinished requests are aborted)."""
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
 
-        async with self._turn:
-            worker = loop.run_in_executor(None, produce)
+    # ---------------------------------------------------------------- the engine thread
+
+    async def _add(self, request_id: str, prompt: Prompt, params: SamplingParams, chat: bool, to: _Listener) -> None:
+        """Add a request on the engine thread; raises the engine's error for a bad request."""
+        added: asyncio.Future = to.loop.create_future()
+
+        def add() -> None:
             try:
-                while (item := await queue.get()) is not _DONE:
-                    if isinstance(item, Exception):
-                        raise item
-                    yield item
-            finally:
-                stop.set()
-                await worker  # the engine is free again before the next call takes its turn
+                self.engine.add_request(prompt, params, chat, request_id)
+            except Exception as exc:
+                to.loop.call_soon_threadsafe(_settle, added, exc)
+                return
+            self._listeners[request_id] = to
+            to.loop.call_soon_threadsafe(_settle, added, None)
+
+        self._send(add)
+        await added
+
+    def _send(self, command: Callable[[], None]) -> None:
+        """Run `command` on the engine thread before its next step (starting the thread on first use)."""
+        if self._closed:
+            raise GenerationError("this AsyncEngine is closed")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="llmlower-engine", daemon=True)
+            self._thread.start()
+        self._commands.put(command)
+        self._wake.set()
+
+    def _abort(self, request_id: str) -> None:
+        self._listeners.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def _run(self) -> None:
+        """The engine thread: commands, then a step, while there is work; asleep otherwise."""
+        while not self._closed:
+            while not self._commands.empty():
+                self._commands.get()()
+            self._stats = self.engine.stats()
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception as exc:  # the step's requests cannot go on: each caller gets the error
+                self._fail_all(exc)
+                continue
+            self._stats = self.engine.stats()
+            for delta in deltas:
+                listener = self._listeners.get(delta.request_id)
+                if listener is not None:
+                    if delta.result is not None:
+                        delta.result.request = listener.position
+                    listener.loop.call_soon_threadsafe(
+                        listener.queue.put_nowait, replace(delta, request=listener.position)
+                    )
+                    if delta.finish_reason is not None and delta.request_id not in self.engine.requests:
+                        del self._listeners[delta.request_id]
+        for request_id in list(self._listeners):
+            self._abort(request_id)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id, listener in list(self._listeners.items()):
+            listener.loop.call_soon_threadsafe(listener.queue.put_nowait, exc)
+            self._abort(request_id)
+
+
+def _settle(future: asyncio.Future, error: Exception | None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)

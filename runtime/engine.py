@@ -1,16 +1,23 @@
-"""Engine: turns prompts into completions with an executor, the sampler and the streaming detokenizer.
+"""Engine: turns prompts into completions with an executor, the scheduler, the sampler and the detokenizer.
 
-Requests are run in waves of up to `executor.max_batch` sequences (a request with n > 1 is n sequences):
-one batched prefill over prompts of different lengths, then batched decode steps over the sequences still
-running; each step samples every sequence at once and streams its text through stop handling.
-(Continuous batching, admitting requests between steps, comes with the paged KV cache.)
+Requests arrive at any time (`add_request`); each `step()` lets the scheduler pick the sequences to run
+(continuous batching with chunked prefill, admission by free KV blocks, preemption by recompute), runs them
+as one executor step, samples every sequence whose prompt is done and streams its text through stop
+handling. A request with n > 1 completions prefills its prompt once; the other completions then share its
+blocks. `generate` and `stream` are built on these calls, so several of them (interleaved generators, or
+callers of add_request) share the engine's batch. One thread drives an engine at a time (AsyncEngine runs
+it in a thread of its own for asyncio servers).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +26,41 @@ import numpy as np
 from ..errors import GenerationError
 from ..spec import ModelSpec
 from .artifact import read_manifest
+from .block_manager import BlockManager, kv_pool_blocks
 from .detokenizer import StreamDelta, TextStream
 from .executor import Executor, StepBatch
 from .executors import load_executor
 from .sampling import Sampler, SamplingParams, SequenceSampling
+from .scheduler import Scheduler
+from .scheduler import Sequence as SchedulerSequence
 from .tokenizer import Message, Tokenizer
 
 Prompt = str | list[Message]
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """Serving limits: sequences per step, tokens per step (prompt chunks and decodes together), the longest
+    sequence, and the KV pool (`num_blocks` or `kv_cache_memory` bytes; default: every sequence can reach
+    max_context). `block_size` of a paged artifact is fixed when compiling."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_context: int | None = 2048
+    block_size: int | None = None
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+
+
 @dataclass
 class Timing:
-    ttft_s: float = 0.0  # from the call to the request's first token
+    ttft_s: float = 0.0  # from the request's arrival to its first token
     decode_tokens_per_s: float = 0.0  # tokens after the first, over the time they took
     mean_token_latency_s: float = 0.0  # average time between consecutive tokens after the first
-    total_s: float = 0.0
+    total_s: float = 0.0  # from arrival to the last token
+    queue_s: float = 0.0  # from arrival to the first step that ran it
+    inter_token_latencies_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -41,6 +68,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -54,7 +82,7 @@ class TokenLogprob:
 
 @dataclass
 class GenerationResult:
-    """One completion: request `request` (its position in the call), completion `index` of its n."""
+    """One completion: request `request` (its position in a generate call), completion `index` of its n."""
 
     text: str
     token_ids: list[int]
@@ -66,6 +94,7 @@ class GenerationResult:
     timing: Timing = field(default_factory=Timing)
     request: int = 0
     index: int = 0
+    request_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,46 +103,123 @@ class GenerationResult:
 @dataclass
 class GenerationDelta:
     """What one step added to a completion, for streaming: `text` may be empty while characters or a
-    possible stop string are held back; the last delta of a completion has `finish_reason` set."""
+    possible stop string are held back; the last delta of a completion has `finish_reason` and `result` set."""
 
-    request: int
+    request: int  # position in a generate/stream call (0 for add_request)
     index: int
     text: str
     token_id: int
     finish_reason: str | None = None
     logprob: TokenLogprob | None = None
+    request_id: str = ""
+    result: GenerationResult | None = None
 
 
-@dataclass
-class _Sequence:
-    request: int
-    prompt: list[int]
-    sampling: SequenceSampling
-    stream: TextStream
-    slot: int = -1
-    output: list[int] = field(default_factory=list)
+@dataclass(frozen=True)
+class EngineStats:
+    """The counters a server exports (vLLM's names): queue sizes, KV pool use, prefix cache, totals."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+
+
+@dataclass(eq=False)
+class _Sequence(SchedulerSequence):
+    request: _Request | None = None
+    index: int = 0
+    sampling: SequenceSampling | None = None
+    stream: TextStream | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    finished: bool = False
+
+    @property
+    def output(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float
+    sequences: list[_Sequence] = field(default_factory=list)
+    forks: list[_Sequence] = field(default_factory=list)  # completions waiting for the first one's prompt
+    scheduled_at: float | None = None
+    outbox: deque[GenerationDelta] | None = None  # deltas kept for a generate/stream call, else step() returns them
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.sequences)
 
 
 class Engine:
-    def __init__(self, executor: Executor, tokenizer: Tokenizer, spec: ModelSpec, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        tokenizer: Tokenizer,
+        spec: ModelSpec,
+        seed: int | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        config = config or EngineConfig()
         self.executor = executor
         self.tokenizer = tokenizer
         self.spec = spec
+        self.config = config
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, np.random.default_rng(seed))
+        self.blocks = BlockManager(
+            executor.num_blocks, executor.block_size, config.enable_prefix_caching, executor.blocks_per_slot
+        )
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, _Request] = {}
+        self._sequence_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._driver = threading.Lock()
+        self.prompt_tokens = self.generation_tokens = self.steps = 0
 
     @classmethod
-    def load(cls, artifact: str | Path, max_batch: int = 4, max_context: int | None = 2048, threads: int = 0) -> Engine:
-        """An Engine on a compiled artifact; needs only numpy, tokenizers, jinja2 and the backend's runtime."""
+    def load(
+        cls, artifact: str | Path, config: EngineConfig | None = None, threads: int = 0, **limits: int | bool | None
+    ) -> Engine:
+        """An Engine on a compiled artifact; needs only numpy, tokenizers, jinja2 and the backend's runtime.
+        `config` or EngineConfig's fields as keywords (max_num_seqs=4, max_context=512, ...) set its limits."""
+        config = config or EngineConfig(**limits)
         artifact = Path(artifact)
         manifest = read_manifest(artifact)
         spec = ModelSpec.from_dict(manifest["spec"])
-        context = min(max_context or spec.max_positions, spec.max_positions)
-        executor = load_executor(artifact, manifest, max_batch, context, threads)
-        return cls(executor, Tokenizer.from_dir(artifact), spec)
+        context = min(config.max_context or spec.max_positions, spec.max_positions)
+        compiled_block_size = manifest["kv_layout"].get("block_size")
+        if config.block_size and compiled_block_size and config.block_size != compiled_block_size:
+            raise GenerationError(
+                f"--block-size {config.block_size}: {artifact} was compiled for {compiled_block_size}"
+            )
+        block_size = compiled_block_size or config.block_size or 16
+        num_blocks = kv_pool_blocks(
+            spec.kv_bytes_per_token(manifest["dtype"]),
+            block_size,
+            config.max_num_seqs,
+            context,
+            config.num_blocks,
+            config.kv_cache_memory,
+            on_host=manifest["target"] == "cpu",
+        )
+        executor = load_executor(artifact, manifest, num_blocks, block_size, context, threads)
+        return cls(executor, Tokenizer.from_dir(artifact), spec, config=config)
+
+    # ---------------------------------------------------------------- requests
 
     def prompt_token_ids(self, prompt: Prompt, chat: bool = True) -> list[int]:
         """Token ids of a prompt: a string through the chat template (unless chat=False), or a conversation."""
@@ -125,6 +231,48 @@ class Engine:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
+    def add_request(
+        self,
+        prompt: Prompt | list[int],
+        params: SamplingParams | None = None,
+        chat: bool = True,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request (a prompt, a conversation, or token ids); returns its id. Its deltas come from step()."""
+        with self._driving():
+            return self._add(prompt, params or SamplingParams(), chat, request_id, None, "prompt").request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or already finished."""
+        with self._driving():
+            return self._abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(not request.done for request in self.requests.values())
+
+    def step(self) -> list[GenerationDelta]:
+        """Run one step of every scheduled sequence; returns the deltas of requests added with add_request
+        (those of generate/stream calls go to their callers)."""
+        with self._driving():
+            return self._step()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.blocks.num_used_blocks,
+            kv_blocks_free=self.blocks.num_free_blocks,
+            kv_usage=self.blocks.usage,
+            prefix_cache_queries=self.blocks.prefix.queries,
+            prefix_cache_hits=self.blocks.prefix.hits,
+            preemptions=self.scheduler.preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            steps=self.steps,
+        )
+
+    # ---------------------------------------------------------------- batch calls
+
     def generate(
         self,
         prompts: Sequence[Prompt],
@@ -132,11 +280,8 @@ class Engine:
         chat: bool = True,
     ) -> list[GenerationResult]:
         """Completions of `prompts` (one SamplingParams for all, or one each), ordered by request, then index."""
-        started = time.perf_counter()
-        sequences = self._sequences(prompts, params, chat)
-        for _ in self._run(sequences):
-            pass
-        return [self._result(seq, started) for seq in sequences]
+        results = [delta.result for delta in self.stream(prompts, params, chat) if delta.result is not None]
+        return sorted(results, key=lambda r: (r.request, r.index))
 
     def stream(
         self,
@@ -144,32 +289,98 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat: bool = True,
     ) -> Iterator[GenerationDelta]:
-        """The deltas of every completion as they are produced; each completion's texts add up to its text."""
-        yield from self._run(self._sequences(prompts, params, chat))
-
-    def _sequences(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None, chat: bool
-    ) -> list[_Sequence]:
+        """The deltas of every completion as they are produced; each completion's texts add up to its text.
+        Requests still running when the caller stops listening are aborted."""
         if isinstance(prompts, str):
             raise GenerationError("prompts must be a list of prompts (a str or a list of messages each)")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise GenerationError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        sequences = []
-        for request, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
+        with self._driving():
+            pairs = list(zip(prompts, params, strict=True))
+            encoded = [self._checked_prompt(p, chat, f"prompts[{i}]", sp) for i, (p, sp) in enumerate(pairs)]
+            requests = [self._add(ids, sp, False, None, deque(), "") for ids, sp in zip(encoded, params, strict=True)]
+        try:
+            while True:
+                for position, request in enumerate(requests):
+                    while request.outbox:
+                        delta = request.outbox.popleft()
+                        if delta.result is not None:
+                            delta.result.request = position
+                        yield replace(delta, request=position)
+                if all(request.done for request in requests):
+                    return
+                self.step()
+        finally:
+            with self._driving():
+                for request in requests:
+                    self._abort(request.request_id)
+                    self.requests.pop(request.request_id, None)
+
+    # ---------------------------------------------------------------- internals
+
+    @contextlib.contextmanager
+    def _driving(self) -> Iterator[None]:
+        """One thread at a time: a second one gets an error instead of corrupting the batch."""
+        if not self._driver.acquire(blocking=False):
+            raise GenerationError(
+                "this Engine is being driven by another thread; drive it from one thread (or use AsyncEngine)"
+            )
+        try:
+            yield
+        finally:
+            self._driver.release()
+
+    def _checked_prompt(self, prompt: Prompt | list[int], chat: bool, label: str, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, refused when the engine could never serve it."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+            ids = list(prompt)
+        else:
             ids = self.prompt_token_ids(prompt, chat)
-            if not ids:
-                raise GenerationError(f"prompts[{request}] is empty after tokenization")
-            if len(ids) >= self.executor.max_context:
-                raise GenerationError(
-                    f"prompts[{request}] has {len(ids)} tokens; the context holds {self.executor.max_context}"
-                )
-            for index in range(request_params.n):
-                sequences.append(
-                    _Sequence(request, ids, SequenceSampling(request_params, index), self._text_stream(request_params))
-                )
-        return sequences
+        if not ids:
+            raise GenerationError(f"{label} is empty after tokenization")
+        if len(ids) >= self.executor.max_context:
+            raise GenerationError(f"{label} has {len(ids)} tokens; the context holds {self.executor.max_context}")
+        vocab = self.spec.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise GenerationError(f"{label} has token id {max(ids)}; the vocabulary has {vocab} tokens")
+        if params.n > self.config.max_num_seqs:
+            raise GenerationError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if self.blocks.blocks_needed(len(ids) + 1) > self.executor.num_blocks:
+            raise GenerationError(f"{label} has {len(ids)} tokens; the KV pool holds {self.executor.num_blocks} blocks")
+        return ids
+
+    def _add(
+        self,
+        prompt: Prompt | list[int],
+        params: SamplingParams,
+        chat: bool,
+        request_id: str | None,
+        outbox: deque | None,
+        label: str,
+    ) -> _Request:
+        ids = prompt if not label else self._checked_prompt(prompt, chat, label, params)
+        request_id = request_id or f"req-{next(self._request_ids)}"
+        if request_id in self.requests:
+            raise GenerationError(f"request_id {request_id!r} is already in use")
+        request = _Request(request_id, list(ids), params, time.perf_counter(), outbox=outbox)
+        for index in range(params.n):
+            sequence = _Sequence(
+                seq_id=next(self._sequence_ids),
+                token_ids=list(ids),
+                prompt_len=len(ids),
+                width=params.n if index == 0 else 1,
+                request=request,
+                index=index,
+                sampling=SequenceSampling(params, index),
+                stream=self._text_stream(params),
+            )
+            request.sequences.append(sequence)
+        request.forks = request.sequences[1:]
+        self.scheduler.add(request.sequences[0])
+        self.requests[request_id] = request
+        return request
 
     def _text_stream(self, params: SamplingParams) -> TextStream:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
@@ -181,86 +392,130 @@ class Engine:
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
 
-    def _run(self, sequences: list[_Sequence]) -> Iterator[GenerationDelta]:
-        wave = self.executor.max_batch
-        for start in range(0, len(sequences), wave):
-            yield from self._run_wave(sequences[start : start + wave])
+    def _abort(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None or request.done:
+            return False
+        for sequence in request.sequences:
+            if not sequence.finished:
+                sequence.finished = True
+                if sequence not in request.forks:
+                    self.scheduler.remove(sequence)
+        request.forks = []
+        if request.outbox is None:
+            del self.requests[request_id]
+        return True
 
-    def _run_wave(self, wave: list[_Sequence]) -> Iterator[GenerationDelta]:
-        for slot, seq in enumerate(wave):
-            seq.slot = slot
-        logits = self._prefill(wave)
-        running = wave
-        while True:
-            running = yield from self._accept(running, logits)
-            if not running:
-                return
-            batch = StepBatch(
-                slots=[s.slot for s in running],
-                tokens=[[s.output[-1]] for s in running],
-                past_lens=[len(s.prompt) + len(s.output) - 1 for s in running],
-            )
-            logits = self.executor.step(batch)
-
-    def _prefill(self, wave: list[_Sequence]) -> np.ndarray:
-        """One prefill per request in the wave; its other completions fork the prompt's cache (n > 1 costs
-        one prompt's prefill). Returns each sequence's logits."""
-        leaders: dict[int, _Sequence] = {}
-        for seq in wave:
-            leaders.setdefault(seq.request, seq)
-        firsts = list(leaders.values())
-        logits = self.executor.step(StepBatch([s.slot for s in firsts], [s.prompt for s in firsts], [0] * len(firsts)))
-        for seq in wave:
-            if seq is not leaders[seq.request]:
-                self.executor.fork(leaders[seq.request].slot, seq.slot, len(seq.prompt))
-        row = {seq.request: index for index, seq in enumerate(firsts)}
-        return logits[[row[seq.request] for seq in wave]]
-
-    def _accept(self, sequences: list[_Sequence], logits: np.ndarray) -> Iterator[GenerationDelta]:
-        """Sample each sequence's next token and stream it; returns the sequences that go on."""
-        chosen = self.sampler.sample(
-            logits, [s.sampling for s in sequences], [s.prompt for s in sequences], [s.output for s in sequences]
+    def _step(self) -> list[GenerationDelta]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        copies = self.blocks.take_copies()
+        if copies:
+            self.executor.copy_blocks(copies)
+        batch = StepBatch(
+            tokens=[
+                s.sequence.token_ids[s.sequence.num_computed : s.sequence.num_computed + s.num_tokens]
+                for s in scheduled
+            ],
+            past_lens=[s.sequence.num_computed for s in scheduled],
+            block_tables=[self.blocks.block_table(s.sequence.seq_id) for s in scheduled],
         )
+        started = time.perf_counter()
+        for item in scheduled:
+            request = item.sequence.request
+            if request.scheduled_at is None:
+                request.scheduled_at = started
+                item.sequence.cached_tokens = item.sequence.num_computed
+        logits = self.executor.step(batch)
         now = time.perf_counter()
-        still_running = []
-        for row, (seq, token) in enumerate(zip(sequences, chosen.token_ids.tolist(), strict=True)):
-            seq.output.append(token)
-            seq.first_token_at = seq.first_token_at or now
-            seq.last_token_at = now
+        self.steps += 1
+        rows: list[int] = []  # the logits row each sampling sequence reads
+        sampling: list[_Sequence] = []
+        for row, item in enumerate(scheduled):
+            sequence: _Sequence = item.sequence  # type: ignore[assignment]
+            request = sequence.request
+            if sequence.num_computed < sequence.prompt_len:
+                self.prompt_tokens += min(item.num_tokens, sequence.prompt_len - sequence.num_computed)
+            sequence.num_computed += item.num_tokens
+            self.blocks.commit(sequence.seq_id, sequence.token_ids, sequence.num_computed)
+            if sequence.num_uncomputed:
+                continue  # a prompt chunk: nothing to sample yet
+            rows.append(row)
+            sampling.append(sequence)
+            for fork in request.forks:  # the prompt is done: the other completions share its blocks
+                self.blocks.fork(sequence.seq_id, fork.seq_id)
+                fork.num_computed = sequence.num_computed
+                self.scheduler.add_running(fork)
+                rows.append(row)
+                sampling.append(fork)
+            request.forks = []
+        if not sampling:
+            return []
+        return self._accept(sampling, logits[rows], now)
+
+    def _accept(self, sequences: list[_Sequence], logits: np.ndarray, now: float) -> list[GenerationDelta]:
+        """Sample each sequence's next token and stream it; finished sequences leave the batch."""
+        chosen = self.sampler.sample(
+            logits,
+            [s.sampling for s in sequences],
+            [s.token_ids[: s.prompt_len] for s in sequences],
+            [s.output for s in sequences],
+        )
+        returned: list[GenerationDelta] = []
+        for row, (sequence, token) in enumerate(zip(sequences, chosen.token_ids.tolist(), strict=True)):
+            sequence.token_ids.append(token)
+            sequence.token_times.append(now)
+            self.generation_tokens += 1
             logprob = None
             if chosen.logprobs[row] is not None:
                 logprob = TokenLogprob(token, chosen.logprobs[row], chosen.top_logprobs[row] or [])
-                seq.logprobs.append(logprob)
-            delta = seq.stream.add(token)
-            if not delta.finished and len(seq.prompt) + len(seq.output) >= self.executor.max_context:
-                delta = _joined(delta, seq.stream.finish_length())
-            if not delta.finished:
-                still_running.append(seq)
-            yield GenerationDelta(seq.request, seq.sampling.index, delta.text, token, delta.finish_reason, logprob)
-        return still_running
+                sequence.logprobs.append(logprob)
+            delta = sequence.stream.add(token)
+            if not delta.finished and len(sequence.token_ids) >= self.executor.max_context:
+                delta = _joined(delta, sequence.stream.finish_length())
+            request = sequence.request
+            out = GenerationDelta(
+                0, sequence.index, delta.text, token, delta.finish_reason, logprob, request.request_id
+            )
+            if delta.finished:
+                sequence.finished = True
+                self.scheduler.remove(sequence)
+                out.result = self._result(sequence)
+            if request.outbox is not None:
+                request.outbox.append(out)
+            else:
+                returned.append(out)
+                if request.done:
+                    del self.requests[request.request_id]
+        return returned
 
-    def _result(self, seq: _Sequence, started: float) -> GenerationResult:
-        decode_time = seq.last_token_at - seq.first_token_at
-        after_first = len(seq.output) - 1
+    def _result(self, sequence: _Sequence) -> GenerationResult:
+        request = sequence.request
+        times = sequence.token_times
+        gaps = np.diff(times).tolist()
+        decode_time = times[-1] - times[0]
         timing = Timing(
-            ttft_s=seq.first_token_at - started,
-            decode_tokens_per_s=after_first / decode_time if decode_time > 0 else 0.0,
-            mean_token_latency_s=decode_time / after_first if after_first else 0.0,
-            total_s=seq.last_token_at - started,
+            ttft_s=times[0] - request.arrival,
+            decode_tokens_per_s=len(gaps) / decode_time if decode_time > 0 else 0.0,
+            mean_token_latency_s=decode_time / len(gaps) if gaps else 0.0,
+            total_s=times[-1] - request.arrival,
+            queue_s=(request.scheduled_at or times[0]) - request.arrival,
+            inter_token_latencies_s=gaps,
         )
-        usage = Usage(len(seq.prompt), len(seq.output), len(seq.prompt) + len(seq.output))
-        params = seq.sampling.params
+        output = sequence.output
+        usage = Usage(sequence.prompt_len, len(output), sequence.prompt_len + len(output), sequence.cached_tokens)
         return GenerationResult(
-            text=seq.stream.text,
-            token_ids=seq.output,
-            prompt_token_ids=seq.prompt,
-            finish_reason=seq.stream.finish_reason or "length",
-            stop=seq.stream.matched_stop,
-            logprobs=seq.logprobs if params.logprobs else None,
+            text=sequence.stream.text,
+            token_ids=list(output),
+            prompt_token_ids=request.prompt,
+            finish_reason=sequence.stream.finish_reason or "length",
+            stop=sequence.stream.matched_stop,
+            logprobs=sequence.logprobs if request.params.logprobs else None,
             usage=usage,
             timing=timing,
-            request=seq.request,
-            index=seq.sampling.index,
+            index=sequence.index,
+            request_id=request.request_id,
         )
 
 

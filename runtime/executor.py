@@ -1,4 +1,11 @@
-"""The interface every backend's execution implements, and the batch layout steps use (numpy only)."""
+"""The interface every backend's execution implements, and the batch layouts steps use (numpy only).
+
+An executor owns the KV cache, `num_blocks` blocks of `block_size` positions in its program's layout
+(step_io.KVLayout): PAGED executors read each sequence's positions through its block table; SLOTS executors
+keep each sequence contiguous in a slot of `max_context` positions, slot i being blocks i * per_slot ..
+(i + 1) * per_slot - 1, so a block table names its slot. The block manager decides which blocks a sequence
+uses; the executor only reads and writes them.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +15,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import GenerationError
+from ..step_io import KVLayout
+
 
 @dataclass(frozen=True)
 class StepBatch:
-    """One forward step over several sequences: each has a cache slot, the tokens it brings this step
-    (a whole prompt in prefill, one token in decode) and how many tokens it already has in the cache."""
+    """One forward step over several sequences: the tokens each brings (a prompt chunk, or one token in
+    decode), how many it already has in the cache, and its block table (covering past and new tokens)."""
 
-    slots: Sequence[int]
     tokens: Sequence[Sequence[int]]
     past_lens: Sequence[int]
+    block_tables: Sequence[Sequence[int]]
 
 
 @dataclass(frozen=True)
 class PaddedBatch:
-    """A StepBatch as the graph takes it: new tokens right-padded to the longest, int64 arrays."""
+    """A step as a SLOTS program takes it: new tokens right-padded to the longest, int64 arrays."""
 
     input_ids: np.ndarray  # [batch, tokens]
     position_ids: np.ndarray  # [batch, tokens]
@@ -29,12 +39,27 @@ class PaddedBatch:
     input_lens: np.ndarray  # [batch]
 
 
-def pad_batch(batch: StepBatch, pad_id: int = 0) -> PaddedBatch:
-    """Right-pad each sequence's new tokens; padding repeats the last real position (it stays in range)."""
+@dataclass(frozen=True)
+class PackedBatch:
+    """A step as a PAGED program takes it: every sequence's new tokens in one row, int64 arrays."""
+
+    input_ids: np.ndarray  # [1, tokens]
+    position_ids: np.ndarray  # [1, tokens]
+    past_lens: np.ndarray  # [seqs]
+    input_lens: np.ndarray  # [seqs]
+    block_tables: np.ndarray  # [seqs, max blocks], unused entries 0
+
+
+def _lengths(batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
     input_lens = np.array([len(t) for t in batch.tokens], dtype=np.int64)
     if (input_lens == 0).any():
-        raise ValueError("every sequence in a step needs at least one new token")
-    past_lens = np.asarray(batch.past_lens, dtype=np.int64)
+        raise GenerationError("every sequence in a step needs at least one new token")
+    return np.asarray(batch.past_lens, dtype=np.int64), input_lens
+
+
+def pad_batch(batch: StepBatch, pad_id: int = 0) -> PaddedBatch:
+    """Right-pad each sequence's new tokens; padding repeats the last real position (it stays in range)."""
+    past_lens, input_lens = _lengths(batch)
     width = int(input_lens.max())
     input_ids = np.full((len(input_lens), width), pad_id, dtype=np.int64)
     for row, tokens in enumerate(batch.tokens):
@@ -43,32 +68,73 @@ def pad_batch(batch: StepBatch, pad_id: int = 0) -> PaddedBatch:
     return PaddedBatch(input_ids, past_lens[:, None] + steps, past_lens, input_lens)
 
 
-def last_token_logits(logits: np.ndarray, input_lens: np.ndarray) -> np.ndarray:
-    """float32 [batch, vocab] of each sequence's last new token, from logits of every position [batch, tokens,
-    vocab] or of the last one only [batch, 1, vocab] (a last_token_logits program)."""
-    if logits.shape[1] > 1:
-        logits = logits[np.arange(len(input_lens)), input_lens - 1]
-    else:
+def pack_batch(batch: StepBatch) -> PackedBatch:
+    """Concatenate the sequences' new tokens; block tables padded to the longest with block 0."""
+    past_lens, input_lens = _lengths(batch)
+    ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in batch.tokens])[None]
+    starts = np.repeat(np.cumsum(input_lens) - input_lens, input_lens)
+    positions = np.repeat(past_lens, input_lens) + np.arange(ids.shape[1]) - starts
+    tables = np.zeros((len(input_lens), max(len(t) for t in batch.block_tables)), dtype=np.int64)
+    for row, table in enumerate(batch.block_tables):
+        tables[row, : len(table)] = table
+    return PackedBatch(ids, positions[None], past_lens, input_lens, tables)
+
+
+def last_token_logits(logits: np.ndarray, input_lens: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """float32 [seqs, vocab] of each sequence's last new token, from a program's logits: last-token ones
+    ([seqs, 1, vocab]) or every position's (SLOTS [batch, tokens, vocab]; PAGED packed [1, tokens, vocab])."""
+    if logits.shape[1] == 1:  # last-token logits (or every position of one-token sequences: the same rows)
         logits = logits[:, 0]
+    elif layout is KVLayout.PAGED:
+        logits = logits[0, np.cumsum(input_lens) - 1]
+    else:
+        logits = logits[np.arange(len(input_lens)), input_lens - 1]
     return logits.astype(np.float32, copy=False)
 
 
 class Executor(ABC):
-    """Runs a compiled model's steps and owns its KV cache: `max_batch` slots of `max_context` tokens."""
+    """Runs a compiled model's steps and owns its KV cache (see the module docstring)."""
 
-    max_batch: int
-    max_context: int
+    kv_layout: KVLayout
+    block_size: int
+    num_blocks: int
+    max_context: int  # the longest sequence (prompt + output) a step may reach
+
+    @property
+    def blocks_per_slot(self) -> int | None:
+        """SLOTS layout: the blocks of one slot; None for PAGED."""
+        return -(-self.max_context // self.block_size) if self.kv_layout is KVLayout.SLOTS else None
 
     @abstractmethod
     def step(self, batch: StepBatch) -> np.ndarray:
-        """Run one step; returns float32 logits [len(batch.slots), vocab] of each sequence's last new token."""
+        """Run one step; returns float32 logits [len(batch.tokens), vocab] of each sequence's last new token."""
 
     @abstractmethod
-    def fork(self, parent: int, child: int, length: int) -> None:
-        """Slot `child` starts as the first `length` tokens of slot `parent` (the shared prompt of n > 1
-        completions); what `child` held before is dropped."""
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block of every layer's cache, in order (copy-on-write, prefixes)."""
 
     @abstractmethod
     def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
-        """float32 logits [len(tokens), vocab] of every position of a fresh sequence (for scoring text);
-        needs a program that computes every position's logits (no last_token_logits)."""
+        """float32 logits [len(tokens), vocab] of every position of a fresh sequence held in the first blocks
+        (for scoring text, with nothing else running); needs a program without last_token_logits."""
+
+    def check_step(self, batch: StepBatch) -> None:
+        """Refuse a step beyond the context or naming blocks outside the pool, before running anything."""
+        for past, tokens, table in zip(batch.past_lens, batch.tokens, batch.block_tables, strict=True):
+            total = past + len(tokens)
+            if total > self.max_context:
+                raise GenerationError(f"step needs {total} cache positions; the executor holds {self.max_context}")
+            if len(table) * self.block_size < total or min(table) < 0 or max(table) >= self.num_blocks:
+                raise GenerationError(f"block table {list(table)} does not hold {total} positions in the pool")
+
+
+def sequential_block_tables(executor: Executor, totals: Sequence[int]) -> list[list[int]]:
+    """Block tables for sequences 0, 1, ... of the given lengths laid out one after another, each starting a
+    slot (valid in both layouts): for tests, benchmarks and scoring without a block manager."""
+    per_sequence = -(-executor.max_context // executor.block_size)
+    if len(totals) * per_sequence > executor.num_blocks:
+        raise GenerationError(f"{len(totals)} sequences of {executor.max_context} positions exceed the KV pool")
+    return [
+        list(range(i * per_sequence, i * per_sequence + -(-total // executor.block_size)))
+        for i, total in enumerate(totals)
+    ]

@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    return load_engine(tiny_llama, max_batch=8, max_context=64)
+    return load_engine(tiny_llama, max_num_seqs=8, max_context=64)
 
 
 def test_a_seeded_request_is_reproducible_alone_and_in_a_batch(engine):
@@ -74,9 +74,10 @@ def test_logprobs_usage_and_n(engine):
 
 def test_greedy_logprobs_are_the_log_softmax_of_the_logits(engine):
     result = engine.generate(["hello"], SamplingParams(temperature=0, max_tokens=1, logprobs=True), chat=False)[0]
-    from llmlower.runtime import StepBatch
+    from llmlower.runtime import StepBatch, sequential_block_tables
 
-    logits = engine.executor.step(StepBatch([0], [result.prompt_token_ids], [0]))[0].astype(np.float64)
+    tables = sequential_block_tables(engine.executor, [len(result.prompt_token_ids)])
+    logits = engine.executor.step(StepBatch([result.prompt_token_ids], [0], tables))[0].astype(np.float64)
     expected = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
     assert result.logprobs[0].logprob == pytest.approx(expected[result.token_ids[0]], abs=1e-5)
 

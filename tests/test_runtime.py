@@ -17,14 +17,14 @@ from llmlower.runtime.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    return load_engine(tiny_llama, max_batch=2, max_context=48)
+    return load_engine(tiny_llama, max_num_seqs=2, max_context=48)
 
 
 def test_batched_greedy_equals_transformers_generate(engine, tiny_llama):
     prompts = ["The quick brown fox", "def add(a, b):", "東京", "caches hold keys and values"]
     results = engine.generate(
         prompts, SamplingParams(temperature=0, max_tokens=12), chat=False
-    )  # 4 prompts in waves of max_batch=2
+    )  # 4 prompts in waves of max_num_seqs=2
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
     for result in results:
         prompt = torch.tensor([result.prompt_token_ids])
@@ -64,7 +64,7 @@ def test_invalid_max_tokens(engine):
 
 
 def test_pad_batch_right_pads_and_keeps_positions_in_range():
-    padded = pad_batch(StepBatch(slots=[0, 1], tokens=[[7, 8, 9], [5]], past_lens=[0, 10]))
+    padded = pad_batch(StepBatch(tokens=[[7, 8, 9], [5]], past_lens=[0, 10], block_tables=[[0], [1]]))
     assert padded.input_ids.tolist() == [[7, 8, 9], [5, 0, 0]]
     assert padded.position_ids.tolist() == [[0, 1, 2], [10, 10, 10]]
     assert padded.input_lens.tolist() == [3, 1]
@@ -93,7 +93,7 @@ def test_tokenizer_without_chat_template(tiny_llama):
 
 
 def test_bfloat16_program_matches_transformers_in_bfloat16(tiny_llama):
-    engine = load_engine(tiny_llama, dtype="bfloat16", max_batch=1, max_context=32)
+    engine = load_engine(tiny_llama, dtype="bfloat16", max_num_seqs=1, max_context=32)
     assert all(cache.dtype == torch.bfloat16 for cache in engine.executor.caches.values())
     result = engine.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8), chat=False)[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()

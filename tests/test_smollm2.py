@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_greedy_chat_equals_transformers_generate(smollm2):
-    engine = load_engine(smollm2, max_batch=3, max_context=256)
+    engine = load_engine(smollm2, max_num_seqs=3, max_context=256)
     assert engine.spec.num_kv_heads == 3 and engine.spec.num_heads == 9 and engine.spec.num_layers == 30
     results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2).eval()
@@ -73,7 +73,7 @@ def test_perplexity_of_quantized_pipelines(smollm2):
         program = copy.deepcopy(base)
         if options is not None:
             program = run_pipeline(program, [("quantize_weights", options)])
-        executor = TorchExecutor(program, max_batch=1, max_context=512)
+        executor = TorchExecutor(program, max_context=512)
         results[quant] = (perplexity(executor.prompt_logits, ids, window=512, stride=256), program)
     for quant, (result, program) in results.items():
         stats = program.history[-1].stats
@@ -92,10 +92,10 @@ def test_perplexity_of_quantized_pipelines(smollm2):
 @pytest.mark.parametrize("backend", ["onnx", "tvm"])
 def test_artifact_greedy_equals_the_torch_reference(backend, smollm2, tmp_path):
     out = compile_artifact(smollm2, tmp_path / f"smollm2-{backend}-fp32", backend=backend)
-    from_artifact = Engine.load(out, max_batch=3, max_context=256).generate(
+    from_artifact = Engine.load(out, max_num_seqs=3, max_context=256).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=32)
     )
-    reference = load_engine(smollm2, max_batch=3, max_context=256).generate(
+    reference = load_engine(smollm2, max_num_seqs=3, max_context=256).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=32)
     )
     for prompt, ours, expected in zip(PROMPTS, from_artifact, reference, strict=True):

@@ -1,7 +1,8 @@
 """The torch reference executor: runs a Program's graph eagerly, with the KV cache as torch tensors.
 
-It is the reference every other backend is checked against, so it favours plainness over speed: each step
-gathers the step's cache rows (up to the longest sequence), runs the graph, and writes the rows back.
+It is the reference every other backend is checked against, so it favours plainness over speed: a step
+gathers the cache it reads (a PAGED program: the blocks its sequences' tables name, renumbered; a SLOTS
+program: the slots' rows up to the longest sequence), runs the graph and writes them back.
 """
 
 from __future__ import annotations
@@ -12,46 +13,106 @@ import numpy as np
 import torch
 
 from ...errors import GenerationError
-from ...ir.program import INPUT_IDS, INPUT_LENS, LOGITS, PAST_LENS, POSITION_IDS, Program
-from ...runtime.executor import Executor, PaddedBatch, StepBatch, last_token_logits, pad_batch
+from ...ir.program import Program
+from ...runtime.executor import (
+    Executor,
+    StepBatch,
+    last_token_logits,
+    pack_batch,
+    pad_batch,
+    sequential_block_tables,
+)
+from ...step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, LOGITS, PAST_LENS, POSITION_IDS, KVLayout, cache_layer
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_SEQUENCES = 4  # KV room when no pool size is given: this many sequences of max_context
 
 
 class TorchExecutor(Executor):
-    def __init__(self, program: Program, max_batch: int = 4, max_context: int | None = None) -> None:
-        if not program.has_kv_cache:
+    def __init__(
+        self,
+        program: Program,
+        max_context: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+    ) -> None:
+        if program.kv_layout is None:
             raise ValueError("the torch executor runs programs with a KV cache: apply the kv_cache pass first")
         spec = program.spec
         self.program = program
-        self.max_batch = max_batch
+        self.kv_layout = program.kv_layout
+        paged = self.kv_layout is KVLayout.PAGED
+        if paged and block_size not in (None, program.block_size):
+            raise GenerationError(f"block_size {block_size}: the program's KV blocks hold {program.block_size}")
+        self.block_size = program.block_size if paged else block_size or DEFAULT_BLOCK_SIZE
         self.max_context = min(max_context or spec.max_positions, spec.max_positions)
+        per_sequence = -(-self.max_context // self.block_size)
+        self.num_blocks = num_blocks or DEFAULT_SEQUENCES * per_sequence
         dtype = getattr(torch, spec.dtype)
-        self.caches = {
-            t.name: torch.zeros((max_batch, t.shape[1], self.max_context, t.shape[3]), dtype=dtype)
-            for t in program.inputs
-            if t.shape[2:3] == ("context",)
-        }
-
-    def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
-        if self.program.outputs[self.program.output_names.index(LOGITS)].shape[1] == 1:
-            raise GenerationError("this program computes last-token logits only; compile without last_token_logits")
-        outputs = self._run([0], pad_batch(StepBatch([0], [tokens], [0])))
-        return outputs[LOGITS][0].float().numpy()
-
-    def fork(self, parent: int, child: int, length: int) -> None:
-        for cache in self.caches.values():
-            cache[child, :, :length] = cache[parent, :, :length]
+        self.caches: dict[str, torch.Tensor] = {}
+        for t in program.inputs:
+            if cache_layer(t.name) is None:
+                continue
+            if paged:  # [num_blocks, block_size, kv_heads, head_dim]
+                shape = (self.num_blocks, *t.shape[1:])
+            else:  # [slots, kv_heads, slot positions, head_dim]
+                shape = (self.num_blocks // per_sequence, t.shape[1], per_sequence * self.block_size, t.shape[3])
+            self.caches[t.name] = torch.zeros(shape, dtype=dtype)
 
     def step(self, batch: StepBatch) -> np.ndarray:
-        padded = pad_batch(batch)
-        outputs = self._run(batch.slots, padded)
-        return last_token_logits(outputs[LOGITS].float().numpy(), padded.input_lens)
+        self.check_step(batch)
+        logits = self._run(batch)[LOGITS].float().numpy()
+        return last_token_logits(logits, np.array([len(t) for t in batch.tokens]), self.kv_layout)
 
-    def _run(self, slots: Sequence[int], padded: PaddedBatch) -> dict[str, torch.Tensor]:
-        """Run the graph on the step's cache rows (up to the longest sequence) and store the rows back."""
+    def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        if self.program.outputs[self.program.output_names.index(LOGITS)].shape[1] == 1 and len(tokens) > 1:
+            raise GenerationError("this program computes last-token logits only; compile without last_token_logits")
+        batch = StepBatch([tokens], [0], sequential_block_tables(self, [len(tokens)]))
+        self.check_step(batch)
+        return self._run(batch)[LOGITS][0].float().numpy()
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        for cache in self.caches.values():
+            for source, destination in pairs:
+                if self.kv_layout is KVLayout.PAGED:
+                    cache[destination] = cache[source]
+                else:
+                    cache[self._slot_rows(destination)] = cache[self._slot_rows(source)]
+
+    def _slot_rows(self, block: int) -> tuple[int, slice, slice]:
+        """Where a block lives in a SLOTS cache: its slot and its positions."""
+        slot, index = divmod(block, self.blocks_per_slot)
+        return slot, slice(None), slice(index * self.block_size, (index + 1) * self.block_size)
+
+    def _run(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+        if self.kv_layout is KVLayout.PAGED:
+            return self._run_paged(batch)
+        return self._run_slots(batch)
+
+    def _run_paged(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+        """Run on the blocks the step's tables name (renumbered 0..n-1) and store them back."""
+        packed = pack_batch(batch)
+        blocks, local = np.unique(packed.block_tables, return_inverse=True)
+        rows = torch.from_numpy(blocks)
+        inputs = {
+            INPUT_IDS: torch.from_numpy(packed.input_ids),
+            POSITION_IDS: torch.from_numpy(packed.position_ids),
+            PAST_LENS: torch.from_numpy(packed.past_lens),
+            INPUT_LENS: torch.from_numpy(packed.input_lens),
+            BLOCK_TABLES: torch.from_numpy(local.reshape(packed.block_tables.shape)),
+        }
+        inputs.update({name: cache[rows] for name, cache in self.caches.items()})
+        outputs = self.program(**inputs)
+        for name, cache in self.caches.items():
+            cache[rows] = outputs[name]
+        return outputs
+
+    def _run_slots(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+        """Run on the slots' rows up to the longest sequence and store them back."""
+        padded = pad_batch(batch)
+        slots = [table[0] // self.blocks_per_slot for table in batch.block_tables]
         used = int((padded.past_lens + padded.input_lens).max())
-        if used > self.max_context:
-            raise GenerationError(f"step needs {used} cache positions; the executor holds {self.max_context}")
-        rows = torch.as_tensor(list(slots))
+        rows = torch.as_tensor(slots)
         inputs = {
             INPUT_IDS: torch.from_numpy(padded.input_ids),
             POSITION_IDS: torch.from_numpy(padded.position_ids),
@@ -63,3 +124,8 @@ class TorchExecutor(Executor):
         for name, cache in self.caches.items():
             cache[rows, :, :used] = outputs[name]
         return outputs
+
+
+def program_executor(program: Program, max_context: int, num_blocks: int | None = None) -> TorchExecutor:
+    """The backends table's entry: a TorchExecutor for `program`."""
+    return TorchExecutor(program, max_context=max_context, num_blocks=num_blocks)

@@ -1,25 +1,34 @@
-"""Executors that need only their backend's runtime library (no torch), and how an artifact names its own."""
+"""Executors that need only their backend's runtime library (no torch); an artifact's manifest names its
+backend and KV layout, and runtime.backends says which executor runs them."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
+from ...step_io import KVLayout
 from ..artifact import MANIFEST, ArtifactError
+from ..backends import BACKENDS, load_symbol
 from ..executor import Executor
-
-# backend name in manifest.json -> "module:class" of its executor (imported only when used)
-EXECUTORS = {"onnx": "onnx:OnnxExecutor", "tvm": "tvm:TvmExecutor"}
 
 
 def load_executor(
-    artifact: Path, manifest: dict[str, Any], max_batch: int, max_context: int, threads: int = 0
+    artifact: Path,
+    manifest: dict[str, Any],
+    num_blocks: int,
+    block_size: int,
+    max_context: int,
+    threads: int = 0,
 ) -> Executor:
-    """The executor of the artifact's backend, loaded from the artifact's files."""
-    backend = manifest.get("backend")
-    if backend not in EXECUTORS:
-        raise ArtifactError(f"{artifact / MANIFEST}: backend {backend!r} has no executor here")
-    module, name = EXECUTORS[backend].split(":")
-    executor_class = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    return executor_class.from_artifact(artifact, manifest, max_batch, max_context, threads)
+    """The executor of the artifact's backend and KV layout, loaded from the artifact's files, with a KV pool
+    of num_blocks blocks of block_size positions and sequences of up to max_context tokens."""
+    backend = BACKENDS.get(manifest.get("backend"))
+    layout = manifest.get("kv_layout", {}).get("kind")
+    try:
+        reference = backend.executors[KVLayout(layout)]
+    except (AttributeError, KeyError, ValueError):
+        raise ArtifactError(
+            f"{artifact / MANIFEST}: backend {manifest.get('backend')!r} with KV layout {layout!r} has no executor here"
+        ) from None
+    executor_class = load_symbol(reference, __name__)
+    return executor_class.from_artifact(artifact, manifest, num_blocks, block_size, max_context, threads)

@@ -1,0 +1,115 @@
+"""The continuous-batching scheduler: which sequences run in the next step, and how many tokens each brings.
+
+Each step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). Running
+sequences come first, oldest first: a decode brings one token, a prompt still being prefilled brings as much
+of the rest as the budget allows (chunked prefill, so a long prompt never stalls the decodes around it).
+Waiting sequences are then admitted in arrival order while the budget, the cap and the KV pool allow; a new
+sequence starts after its cached prefix. When a running sequence needs a block and the pool has none, the
+newest running sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed (its prompt and output so far) when there is room again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..errors import GenerationError
+from .block_manager import BlockManager
+
+
+@dataclass(eq=False)
+class Sequence:
+    """What the scheduler tracks of a sequence: its tokens (prompt, then output) and how many of them have
+    their KV in the cache. `width`: the sequences it will become (an n > 1 request's first one)."""
+
+    seq_id: int
+    token_ids: list[int]
+    prompt_len: int
+    num_computed: int = 0
+    width: int = 1
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    sequence: Sequence
+    num_tokens: int  # new tokens it brings to this step, after its num_computed cached ones
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int = 16, max_num_batched_tokens: int = 512) -> None:
+        if max_num_seqs < 1:
+            raise GenerationError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise GenerationError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, sequence: Sequence) -> None:
+        """Queue a new sequence (arrival order)."""
+        self.waiting.append(sequence)
+
+    def add_running(self, sequence: Sequence) -> None:
+        """A sequence that already holds its blocks (a fork) joins the running ones."""
+        self.running.append(sequence)
+
+    def remove(self, sequence: Sequence) -> None:
+        """A finished or aborted sequence: out of the queues, its blocks freed."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+        self.blocks.free(sequence.seq_id)
+
+    def schedule(self) -> list[ScheduledSequence]:
+        """The next step's sequences and their token counts; admits and preempts as needed."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            sequence = self.running[index]
+            count = min(sequence.num_uncomputed, budget)
+            while not self.blocks.allocate(sequence.seq_id, sequence.num_computed + count):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is sequence:
+                    break
+            else:
+                scheduled.append(ScheduledSequence(sequence, count))
+                budget -= count
+                index += 1
+                continue
+            break
+        while self.waiting and budget > 0 and not preempted:
+            sequence = self.waiting[0]
+            if len(self.running) + sequence.width > self.max_num_seqs:
+                break
+            cached = self.blocks.admit(sequence.seq_id, sequence.token_ids, reserve=len(self.running))
+            if cached is None:
+                break
+            count = min(len(sequence.token_ids) - cached, budget)
+            if not self.blocks.allocate(sequence.seq_id, cached + count):
+                self.blocks.free(sequence.seq_id)
+                break
+            sequence.num_computed = cached
+            self.waiting.popleft()
+            self.running.append(sequence)
+            scheduled.append(ScheduledSequence(sequence, count))
+            budget -= count
+        return scheduled
+
+    def _preempt(self, sequence: Sequence) -> None:
+        """Free the sequence's blocks and queue it first, to be recomputed."""
+        self.blocks.free(sequence.seq_id)
+        sequence.num_computed = 0
+        self.waiting.appendleft(sequence)
+        self.preemptions += 1
