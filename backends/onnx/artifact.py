@@ -11,7 +11,7 @@ from ...errors import LlmlowerError
 from ...ir.program import Program
 from ...progress import stage
 from ...runtime.artifact import write_artifact
-from ..manifest import program_manifest
+from ..manifest import kv_layout_manifest, program_manifest
 from .export import to_onnx
 
 MODEL_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
@@ -43,17 +43,10 @@ def build(
         if write_extra is not None:
             write_extra(staging)
 
-    spec = program.spec
     manifest = {
         **program_manifest(program, "onnx", target),
         "providers": PROVIDERS[target],
-        "kv_layout": {
-            "kind": "contiguous",
-            "shape": ["batch", "kv_heads", "context", "head_dim"],
-            "layers": spec.num_layers,
-            "kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-        },
+        "kv_layout": kv_layout_manifest(program),
         "entry_points": {
             "step": {
                 "file": MODEL_FILE,

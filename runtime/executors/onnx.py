@@ -1,11 +1,13 @@
-"""Executor on ONNX Runtime: runs an ONNX model lowered from a Program (needs numpy and onnxruntime only).
+"""Executor on ONNX Runtime's CPU EP for SLOTS programs (needs numpy and onnxruntime only).
 
-The KV cache is allocated once per layer as [max_batch, kv_heads, max_context, head_dim] on the session's
-device. A step binds the rows of its slots as GroupQueryAttention's past *and* present (IO binding, one
-buffer), so the op appends the new keys and values in place and no step copies the cache. Slots that are
-not one contiguous range run as one step per contiguous run. GroupQueryAttention takes a batch of right-padded
-prompts with no past, a batch of single tokens, or one sequence continuing with several tokens; any other
-step is run one sequence at a time.
+ONNX Runtime has no CPU kernel for PagedAttention. GroupQueryAttention instead appends in place to a cache
+whose rows are sequences: each layer's cache is one numpy array [slots, kv_heads, slot positions, head_dim],
+and a step binds a range of its rows as the op's past *and* present (IO binding, the same memory), so no step
+copies the cache (benchmarks/kv_layouts_onnx_cpu.py measured the alternatives). The block manager gives each
+sequence a slot (its blocks are that slot's), so the slots of a step's decodes may have gaps: the rows in
+between run a throwaway token at position 0 whose cache entries are saved before the run and put back after
+it, and every decode still shares one run. GroupQueryAttention takes several tokens after a past only for
+one sequence at a time: prompt chunks run one per session run.
 """
 
 from __future__ import annotations
@@ -18,12 +20,9 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import GenerationError
-from ..executor import Executor, PaddedBatch, StepBatch, last_token_logits, pad_batch
+from ...step_io import INPUT_IDS, INPUT_LENS, LOGITS, PAST_LENS, POSITION_IDS, PRESENT_PREFIX, KVLayout, cache_layer
+from ..executor import Executor, PaddedBatch, StepBatch, last_token_logits, pad_batch, sequential_block_tables
 
-LOGITS = "logits"
-PRESENT = "present_"  # the updated cache k_cache_0 is the output present_k_cache_0
-CACHE_PREFIXES = ("k_cache_", "v_cache_")
-DEVICES = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}
 DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 OPTIMIZATION_LEVELS = {
     "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -31,6 +30,8 @@ OPTIMIZATION_LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_SEQUENCES = 4  # slots when no pool size is given
 
 
 def session_options(threads: int = 0, optimization: str = "all") -> ort.SessionOptions:
@@ -45,26 +46,33 @@ def session_options(threads: int = 0, optimization: str = "all") -> ort.SessionO
     return options
 
 
-class OnnxExecutor(Executor):
+class OnnxSlotExecutor(Executor):
+    kv_layout = KVLayout.SLOTS
+
     def __init__(
         self,
         model: bytes | str,
-        max_batch: int = 4,
         max_context: int = 2048,
-        providers: Sequence[str] = ("CPUExecutionProvider",),
+        num_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         threads: int = 0,
         optimization: str = "all",
     ) -> None:
-        self.session = ort.InferenceSession(model, session_options(threads, optimization), providers=list(providers))
-        self.device = DEVICES[self.session.get_providers()[0]]
-        self.max_batch, self.max_context = max_batch, max_context
+        options = session_options(threads, optimization)
+        self.session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        self.block_size, self.max_context = block_size, max_context
+        per_slot = self.blocks_per_slot
+        self.num_blocks = num_blocks or DEFAULT_SEQUENCES * per_slot
+        slots = self.num_blocks // per_slot
+        if slots < 1:
+            raise GenerationError(f"{self.num_blocks} KV blocks do not hold one sequence of {max_context} tokens")
         self.input_names = {i.name for i in self.session.get_inputs()}
-        self.caches: dict[str, ort.OrtValue] = {}
+        self.caches: dict[str, np.ndarray] = {}
         for spec in self.session.get_inputs():
-            if spec.name.startswith(CACHE_PREFIXES):
+            if cache_layer(spec.name) is not None:
                 _, kv_heads, _, head_dim = spec.shape
-                zeros = np.zeros((max_batch, kv_heads, max_context, head_dim), dtype=DTYPES[spec.type])
-                self.caches[spec.name] = ort.OrtValue.ortvalue_from_numpy(zeros, self.device, 0)
+                shape = (slots, kv_heads, per_slot * block_size, head_dim)
+                self.caches[spec.name] = np.zeros(shape, dtype=DTYPES[spec.type])
         self.all_positions = self.session.get_outputs()[0].shape[1] != 1
         self.binding = self.session.io_binding()
         self.binding.bind_output(LOGITS, "cpu")  # bound first: get_outputs()[0]
@@ -72,82 +80,86 @@ class OnnxExecutor(Executor):
 
     @classmethod
     def from_artifact(
-        cls, artifact: Path, manifest: dict[str, Any], max_batch: int, max_context: int, threads: int = 0
-    ) -> OnnxExecutor:
+        cls, artifact: Path, manifest: dict[str, Any], num_blocks: int, block_size: int, max_context: int, threads: int
+    ) -> OnnxSlotExecutor:
+        if manifest["target"] != "cpu":
+            raise GenerationError(f"{artifact}: a per-sequence-cache ONNX artifact runs on the CPU EP only")
         model = str(artifact / manifest["entry_points"]["step"]["file"])
-        return cls(model, max_batch, max_context, providers=manifest["providers"], threads=threads)
+        return cls(model, max_context, num_blocks, block_size, threads=threads)
 
     def step(self, batch: StepBatch) -> np.ndarray:
-        if len(batch.slots) > 1 and any(batch.past_lens) and max(len(t) for t in batch.tokens) > 1:
-            return self._step_parts(batch, [[i] for i in range(len(batch.slots))])
-        runs = _contiguous_runs(batch.slots)
-        if len(runs) > 1:
-            return self._step_parts(batch, runs)
-        padded = pad_batch(batch)
-        return last_token_logits(self._run(batch.slots[0], padded), padded.input_lens)
-
-    def fork(self, parent: int, child: int, length: int) -> None:
-        """Copies the rows through the host (update_inplace serves the CPU and CUDA EPs alike); forks are rare."""
-        for cache in self.caches.values():
-            rows = cache.numpy()
-            rows[child, :, :length] = rows[parent, :, :length]
-            cache.update_inplace(rows)
+        self.check_step(batch)
+        slots = [table[0] // self.blocks_per_slot for table in batch.block_tables]
+        if len(set(slots)) != len(slots):
+            raise GenerationError(f"slots {slots}: a step runs each sequence once")
+        logits: list[np.ndarray | None] = [None] * len(slots)
+        decodes = [i for i, tokens in enumerate(batch.tokens) if len(tokens) == 1]
+        if decodes:
+            rows = self._decode(
+                [slots[i] for i in decodes],
+                [batch.tokens[i][0] for i in decodes],
+                [batch.past_lens[i] for i in decodes],
+            )
+            for i, row in zip(decodes, rows, strict=True):
+                logits[i] = row
+        for i, tokens in enumerate(batch.tokens):
+            if len(tokens) > 1:
+                padded = pad_batch(StepBatch([tokens], [batch.past_lens[i]], [batch.block_tables[i]]))
+                logits[i] = last_token_logits(self._run(slots[i], padded), padded.input_lens, self.kv_layout)[0]
+        return np.stack(logits)
 
     def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
-        if not self.all_positions:
+        if not self.all_positions and len(tokens) > 1:
             raise GenerationError("this model computes last-token logits only; compile without last_token_logits")
-        return self._run(0, pad_batch(StepBatch([0], [tokens], [0])))[0].astype(np.float32)
+        batch = StepBatch([tokens], [0], sequential_block_tables(self, [len(tokens)]))
+        self.check_step(batch)
+        return self._run(0, pad_batch(batch))[0].astype(np.float32)
 
-    def _step_parts(self, batch: StepBatch, parts: list[list[int]]) -> np.ndarray:
-        """Run a step as several smaller ones, each over the sequences at the given indices."""
-        logits = [
-            self.step(
-                StepBatch(
-                    [batch.slots[i] for i in part], [batch.tokens[i] for i in part], [batch.past_lens[i] for i in part]
-                )
-            )
-            for part in parts
-        ]
-        return np.concatenate(logits)
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        for cache in self.caches.values():
+            for source, destination in pairs:
+                cache[self._rows(destination)] = cache[self._rows(source)]
+
+    def _rows(self, block: int) -> tuple[int, slice, slice]:
+        """A block's place in a cache: its slot and positions."""
+        slot, index = divmod(block, self.blocks_per_slot)
+        return slot, slice(None), slice(index * self.block_size, (index + 1) * self.block_size)
+
+    def _decode(self, slots: list[int], tokens: list[int], past: list[int]) -> np.ndarray:
+        """One token for each slot in one run over the slots' whole range; logits in the given order."""
+        first, last = min(slots), max(slots)
+        count = last - first + 1
+        ids = np.zeros((count, 1), dtype=np.int64)
+        past_lens = np.zeros(count, dtype=np.int64)
+        rows = np.array(slots) - first
+        ids[rows, 0], past_lens[rows] = tokens, past
+        idle = np.setdiff1d(np.arange(first, last + 1), slots)  # rows in between: a throwaway token at position 0
+        saved = {name: cache[idle, :, 0].copy() for name, cache in self.caches.items()} if idle.size else {}
+        padded = PaddedBatch(ids, past_lens[:, None], past_lens, np.ones(count, dtype=np.int64))
+        logits = self._run(first, padded)
+        for name, values in saved.items():
+            self.caches[name][idle, :, 0] = values
+        return last_token_logits(logits, padded.input_lens, self.kv_layout)[rows]
 
     def _run(self, first_slot: int, padded: PaddedBatch) -> np.ndarray:
         """Run the model on cache rows first_slot.. (one per sequence of `padded`); returns its logits."""
-        used = int((padded.past_lens + padded.input_lens).max())
-        if used > self.max_context:
-            raise GenerationError(f"step needs {used} cache positions; the executor holds {self.max_context}")
-        rows = (first_slot, len(padded.input_lens))
-        if self.bound_rows != rows:
+        count = len(padded.input_lens)
+        if self.bound_rows != (first_slot, count):
             for name, cache in self.caches.items():
-                self._bind_cache(name, cache, *rows)
-            self.bound_rows = rows
+                shape = [count, *cache.shape[1:]]
+                pointer = cache.ctypes.data + first_slot * cache[0].nbytes
+                self.binding.bind_input(name, "cpu", 0, cache.dtype, shape, pointer)
+                self.binding.bind_output(PRESENT_PREFIX + name, "cpu", 0, cache.dtype, shape, pointer)
+            self.bound_rows = (first_slot, count)
         feeds = {
-            "input_ids": padded.input_ids,
-            "position_ids": padded.position_ids,
-            "past_lens": padded.past_lens,
-            "input_lens": padded.input_lens,
+            INPUT_IDS: padded.input_ids,
+            POSITION_IDS: padded.position_ids,
+            PAST_LENS: padded.past_lens,
+            INPUT_LENS: padded.input_lens,
         }
         for name, value in feeds.items():
             if name in self.input_names:
-                self.binding.bind_cpu_input(name, value)
+                self.binding.bind_cpu_input(name, np.ascontiguousarray(value))
         self.binding.bind_output(LOGITS, "cpu")  # a fresh array each step
         self.session.run_with_iobinding(self.binding)
         return self.binding.get_outputs()[0].numpy()
-
-    def _bind_cache(self, name: str, cache: ort.OrtValue, first: int, count: int) -> None:
-        """Bind rows first..first+count of a cache as both the past input and the present output."""
-        _, *row_shape = cache.shape()
-        dtype = DTYPES[cache.data_type()]
-        pointer = cache.data_ptr() + first * int(np.prod(row_shape)) * np.dtype(dtype).itemsize
-        self.binding.bind_input(name, self.device, 0, dtype, [count, *row_shape], pointer)
-        self.binding.bind_output(PRESENT + name, self.device, 0, dtype, [count, *row_shape], pointer)
-
-
-def _contiguous_runs(slots: Sequence[int]) -> list[list[int]]:
-    """Indices of `slots` grouped into runs whose slots are consecutive numbers."""
-    runs: list[list[int]] = []
-    for index, slot in enumerate(slots):
-        if runs and slot == slots[runs[-1][-1]] + 1:
-            runs[-1].append(index)
-        else:
-            runs.append([index])
-    return runs
