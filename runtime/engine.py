@@ -303,12 +303,13 @@ class Engine:
             requests = [self._add(ids, sp, False, None, deque(), "") for ids, sp in zip(encoded, params, strict=True)]
         try:
             while True:
-                for position, request in enumerate(requests):
-                    while request.outbox:
-                        delta = request.outbox.popleft()
-                        if delta.result is not None:
-                            delta.result.request = position
-                        yield replace(delta, request=position)
+                while any(request.outbox for request in requests):  # another generator may step while we yield
+                    for position, request in enumerate(requests):
+                        while request.outbox:
+                            delta = request.outbox.popleft()
+                            if delta.result is not None:
+                                delta.result.request = position
+                            yield replace(delta, request=position)
                 if all(request.done for request in requests):
                     return
                 self.step()

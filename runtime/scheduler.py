@@ -77,6 +77,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             sequence = self.running[index]
             count = min(sequence.num_uncomputed, budget)
+            if count == 0:  # nothing new to compute (its next token is not sampled yet)
+                index += 1
+                continue
             while not self.blocks.allocate(sequence.seq_id, sequence.num_computed + count):
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -73,10 +73,14 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def write_tiny_checkpoint(arch: str, directory: Path) -> Path:
-    """A random `arch` model saved as a checkpoint directory with tokenizer files and a chat template."""
+def write_tiny_checkpoint(arch: str, directory: Path, **config: object) -> Path:
+    """A random `arch` model (its config changed by `config`) saved as a checkpoint directory with tokenizer
+    files and a chat template."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[arch]())
+    model_config = TINY_CONFIGS[arch]()
+    for name, value in config.items():
+        setattr(model_config, name, value)
+    model = transformers.AutoModelForCausalLM.from_config(model_config)
     model.save_pretrained(directory, safe_serialization=True)
     build_tokenizer().save(str(directory / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": CHATML}
@@ -93,6 +97,12 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_checkpoints) -> Path:
     return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def long_llama(tmp_path_factory) -> Path:
+    """A tiny Llama with room for 1,024 positions (a 400-token system prompt and more)."""
+    return write_tiny_checkpoint("llama", tmp_path_factory.mktemp("long") / "llama", max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,132 @@
+"""The block manager and the scheduler on their own (no model): prefix caching by chained block hashes,
+reference counts, LRU eviction of cached blocks, copy-on-write after a fork, the SLOTS layout, chunked
+prefill, admission by free blocks and preemption by recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmlower.errors import GenerationError
+from llmlower.runtime.block_manager import BlockManager, kv_pool_blocks
+from llmlower.runtime.scheduler import Scheduler, Sequence
+
+BLOCK = 4
+
+
+def _run_to(manager: BlockManager, seq_id: int, tokens: list[int]) -> list[int]:
+    """Admit a sequence and compute all its tokens (as steps would); returns its blocks."""
+    cached = manager.admit(seq_id, tokens)
+    assert cached is not None
+    assert manager.allocate(seq_id, len(tokens))
+    manager.commit(seq_id, tokens, len(tokens))
+    return list(manager.block_table(seq_id))
+
+
+def test_a_cached_prefix_is_found_block_by_block_and_leaves_the_last_token_to_compute():
+    manager = BlockManager(num_blocks=16, block_size=BLOCK)
+    first = _run_to(manager, 0, list(range(10)))  # blocks: [0..3] [4..7] [8, 9]
+    assert len(first) == 3 and manager.prefix.hits == 0
+    assert manager.admit(1, list(range(9)) + [99]) == 8  # two full blocks shared
+    assert manager.block_table(1) == first[:2] and manager.refs[first[0]] == 2
+    assert manager.admit(2, list(range(8))) == 4  # all 8 cached: the last block is recomputed
+    assert manager.admit(3, [1, 2, 3, 4, 5]) == 0  # same tokens at other positions: no hit
+    assert (manager.prefix.queries, manager.prefix.hits) == (10 + 10 + 8 + 5, 8 + 4)
+
+
+def test_freed_cached_blocks_are_reused_until_evicted_tail_first():
+    manager = BlockManager(num_blocks=4, block_size=BLOCK)
+    blocks = _run_to(manager, 0, list(range(13)))  # 4 blocks, 3 full
+    manager.free(0)
+    assert manager.num_free_blocks == 4
+    assert manager.admit(1, list(range(9)) + [50]) == 8  # still cached after the sequence ended
+    manager.free(1)
+    assert manager.admit(2, [7] * 6) == 0 and manager.allocate(2, 6)  # two new blocks: the free one, then the tail
+    assert manager.block_table(2) == [blocks[3], blocks[2]]
+    manager.free(2)
+    assert manager.admit(3, list(range(13)) + [60]) == 8  # the first two blocks are still cached, the third evicted
+
+
+def test_fork_shares_blocks_and_copies_the_shared_partial_block_on_write():
+    manager = BlockManager(num_blocks=8, block_size=BLOCK)
+    parent = _run_to(manager, 0, list(range(6)))  # a full block and a partial one
+    manager.fork(0, 1)
+    assert manager.block_table(1) == parent and manager.refs[parent[1]] == 2
+    assert manager.allocate(0, 7)  # the parent appends into the shared partial block: it gets a copy
+    [(source, copy)] = manager.take_copies()
+    assert source == parent[1] and manager.block_table(0) == [parent[0], copy]
+    assert manager.allocate(1, 7) and manager.take_copies() == []  # the child now owns the original
+    assert manager.block_table(1) == parent and manager.refs[parent[0]] == 2
+    manager.free(0)
+    manager.free(1)
+    assert manager.num_free_blocks == 8 and set(manager.refs) == {0}
+
+
+def test_allocation_is_all_or_nothing():
+    manager = BlockManager(num_blocks=3, block_size=BLOCK)
+    _run_to(manager, 0, list(range(8)))
+    assert manager.admit(1, [9, 9]) == 0
+    assert not manager.allocate(1, 9)  # needs 3 blocks, 1 is free
+    assert manager.block_table(1) == [] and manager.num_free_blocks == 1
+
+
+def test_slots_keep_a_sequence_contiguous_and_copy_prefixes_from_busy_slots():
+    manager = BlockManager(num_blocks=12, block_size=BLOCK, blocks_per_slot=4)  # 3 slots of 16 positions
+    first = _run_to(manager, 0, list(range(10)))
+    assert first == [0, 1, 2]  # slot 0
+    assert manager.admit(1, list(range(9)) + [70]) == 8  # slot 0 is busy: its blocks are copied into slot 1
+    assert manager.block_table(1) == [4, 5] and manager.take_copies() == [(0, 4), (1, 5)]
+    manager.free(0)
+    assert manager.admit(2, list(range(9)) + [80]) == 8  # slot 0 is free again: used in place, no copy
+    assert manager.block_table(2) == [0, 1] and manager.take_copies() == []
+    with pytest.raises(GenerationError, match="outgrows its slot"):
+        manager.allocate(2, 17)
+
+
+def test_pool_size_from_memory_and_a_pool_larger_than_the_machine_is_refused():
+    assert kv_pool_blocks(1024, 16, max_num_seqs=4, max_context=100) == 4 * 7
+    assert kv_pool_blocks(1024, 16, 4, 100, kv_cache_memory=16 * 1024 * 10) == 10
+    with pytest.raises(GenerationError, match=r"needs .* GiB; this machine has .* available"):
+        kv_pool_blocks(2**30, 16, 4, 100, num_blocks=2**20)
+    with pytest.raises(GenerationError, match="not both"):
+        kv_pool_blocks(1024, 16, 4, 100, num_blocks=3, kv_cache_memory=10**6)
+
+
+def _sequences(lengths: list[int]) -> list[Sequence]:
+    return [Sequence(i, list(range(100 * i, 100 * i + n)), n) for i, n in enumerate(lengths)]
+
+
+def test_chunked_prefill_runs_beside_the_decodes():
+    scheduler = Scheduler(BlockManager(64, BLOCK), max_num_seqs=4, max_num_batched_tokens=8)
+    short, long = _sequences([3, 20])
+    scheduler.add(short)
+    [only] = scheduler.schedule()
+    only.sequence.num_computed += only.num_tokens
+    short.token_ids.append(7)  # its first output token
+    scheduler.add(long)
+    counts = []
+    for _ in range(3):
+        step = scheduler.schedule()
+        counts.append([(s.sequence.seq_id, s.num_tokens) for s in step])
+        for item in step:
+            item.sequence.num_computed += item.num_tokens
+        short.token_ids.append(7)
+    assert counts == [[(0, 1), (1, 7)], [(0, 1), (1, 7)], [(0, 1), (1, 6)]]  # one decode + a chunk in each step
+
+
+def test_preemption_frees_the_newest_sequence_and_requeues_it_first():
+    blocks = BlockManager(5, BLOCK)
+    scheduler = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    older, newer = _sequences([4, 4])
+    scheduler.add(older)
+    scheduler.add(newer)
+    assert [s.num_tokens for s in scheduler.schedule()] == [4, 4]
+    for sequence in (older, newer):
+        sequence.num_computed = 4
+        blocks.commit(sequence.seq_id, sequence.token_ids, 4)
+        sequence.token_ids.append(1)  # its first output token
+    for _ in range(5):  # both decode until the pool runs out
+        for item in scheduler.schedule():
+            item.sequence.num_computed += 1
+            item.sequence.token_ids.append(1)
+    assert scheduler.preemptions == 1 and scheduler.waiting[0] is newer and newer.num_computed == 0
+    assert scheduler.running == [older]
