@@ -32,7 +32,7 @@ from llmlower.api import compile_artifact, compile_program, tokenizer_of
 from llmlower.backends.torch import TorchExecutor
 from llmlower.frontend.example import cache_dir
 from llmlower.passes import build_pipeline
-from llmlower.runtime import Engine, Executor, StepBatch
+from llmlower.runtime import Engine, Executor, StepBatch, sequential_block_tables
 
 PEERS = Path(__file__).parent / "peers"
 # row -> (artifact directory name, build_pipeline options). The last row reads what onnxruntime-genai's
@@ -73,11 +73,14 @@ def transformers_eager(module: torch.nn.Module) -> tuple[Prefill, Decode]:
 
 
 def llmlower_executor(executor: Executor) -> tuple[Prefill, Decode]:
+    """One sequence in the first blocks of the executor's KV cache."""
+    tables = sequential_block_tables(executor, [executor.max_context])
+
     def prefill(ids: list[int]) -> np.ndarray:
-        return executor.step(StepBatch([0], [ids], [0]))[0]
+        return executor.step(StepBatch([ids], [0], tables))[0]
 
     def decode(token: int, position: int) -> np.ndarray:
-        return executor.step(StepBatch([0], [[token]], [position]))[0]
+        return executor.step(StepBatch([[token]], [position], tables))[0]
 
     return prefill, decode
 
@@ -113,7 +116,7 @@ def artifact(
     built = [(p["name"], p["options"]) for p in manifest.get("pipeline", [])]
     if rebuild or manifest.get("backend") != backend or built != wanted:
         compile_artifact(model, directory, pipeline, backend=backend)
-    return llmlower_executor(Engine.load(directory, max_batch=1, max_context=context, threads=threads).executor)
+    return llmlower_executor(Engine.load(directory, max_num_seqs=1, max_context=context, threads=threads).executor)
 
 
 def peer(name: str, model: Path, prompts: dict[int, list[int]], new_tokens: int, repeats: int, threads: int) -> dict:
@@ -165,7 +168,7 @@ def main() -> None:
 
     engines: dict[str, Callable[[], tuple[Prefill, Decode]]] = {
         "transformers eager fp32": lambda: transformers_eager(loaded.module),
-        "llmlower torch fp32": lambda: llmlower_executor(TorchExecutor(program, max_batch=1, max_context=context)),
+        "llmlower torch fp32": lambda: llmlower_executor(TorchExecutor(program, max_context=context)),
     }
     for row, (name, backend, options) in ARTIFACTS.items():
         engines[row] = lambda b=backend, o=options, d=artifacts / name: artifact(

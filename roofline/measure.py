@@ -1,87 +1,70 @@
-"""Step times on a backend: one registration per backend (name -> a function that builds its executor for a
-Program), and repeated timed steps. ONNX Runtime runs one intra-op thread per logical core, as
-benchmarks/speed.py does (its default, one per physical core, ran SmolLM2 steps 2-2.5x slower on the 2-vCPU VM)."""
+"""Step times on a backend: the backends table (runtime.backends) says how each builds an executor for a
+Program and which KV layout its programs use; steps are timed repeatedly. ONNX Runtime runs one intra-op thread
+per logical core, as benchmarks/speed.py does (its default, one per physical core, ran SmolLM2 steps 2-2.5x
+slower on the 2-vCPU VM)."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import LlmlowerError
 from ..ir.program import Program
-from ..progress import stage
-from ..runtime.executor import Executor, StepBatch
+from ..passes import run_pipeline, with_kv_layout
+from ..passes.manager import PassSpec
+from ..runtime.backends import get_backend, load_symbol
+from ..runtime.executor import Executor, StepBatch, sequential_block_tables
+from ..step_io import KVLayout
 from .shapes import Step
-
-ExecutorBuilder = Callable[[Program, int, int], Executor]  # (program, max_batch, max_context) -> executor
-
-
-def _torch(program: Program, max_batch: int, max_context: int) -> Executor:
-    from ..backends.torch import TorchExecutor
-
-    return TorchExecutor(program, max_batch=max_batch, max_context=max_context)
-
-
-def _onnx(program: Program, max_batch: int, max_context: int) -> Executor:
-    from ..backends.onnx import to_onnx
-    from ..runtime.executors.onnx import OnnxExecutor
-
-    with stage("lower to ONNX (torch.onnx.export)"):
-        model = to_onnx(program).SerializeToString()
-    return OnnxExecutor(model, max_batch=max_batch, max_context=max_context, threads=os.cpu_count() or 0)
-
-
-def _tvm(program: Program, max_batch: int, max_context: int) -> Executor:
-    from ..backends.tvm.executor import cpu_executor
-
-    return cpu_executor(program, max_batch=max_batch, max_context=max_context, threads=os.cpu_count() or 0)
-
-
-# name -> (the backend's package under llmlower, the function building its executor for a Program)
-BACKENDS: dict[str, tuple[str, ExecutorBuilder]] = {
-    "torch": ("backends.torch", _torch),
-    "onnx": ("backends.onnx", _onnx),
-    "tvm": ("backends.tvm", _tvm),
-}
 
 
 def check_backend(backend: str) -> None:
     """Fail unless `backend` is registered and its package imports in this build."""
-    if backend not in BACKENDS:
-        raise LlmlowerError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    entry = get_backend(backend)
     try:
-        importlib.import_module(f"{__package__.rpartition('.')[0]}.{BACKENDS[backend][0]}")
+        importlib.import_module(entry.program_executor.split(":")[0])
     except ImportError:
         raise LlmlowerError(f"--backend {backend}: the {backend} backend is not available in this build") from None
 
 
+def timed_program(backend: str, captured: Program, passes: Sequence[PassSpec]) -> Program:
+    """The program the backend runs for a pipeline: the pipeline adapted to the backend's CPU KV layout."""
+    layout = get_backend(backend).layout("cpu")
+    return run_pipeline(copy.deepcopy(captured), with_kv_layout(passes, layout))
+
+
 def build_executor(backend: str, program: Program, max_batch: int, max_context: int) -> Executor:
-    """The executor `backend` builds for `program` (KV cache of max_batch x max_context)."""
+    """The executor `backend` builds for `program`, with KV room for max_batch sequences of max_context tokens."""
     check_backend(backend)
-    return BACKENDS[backend][1](program, max_batch, max_context)
+    block_size = program.block_size if program.kv_layout is KVLayout.PAGED else 16
+    num_blocks = max_batch * -(-max_context // block_size)
+    return load_symbol(get_backend(backend).program_executor)(program, max_context, num_blocks)
 
 
 def artifact_executor(artifact: Path, max_batch: int, max_context: int) -> Executor:
     """The executor of a compiled artifact, as Engine.load builds it."""
     from ..runtime import Engine
 
-    return Engine.load(artifact, max_batch=max_batch, max_context=max_context, threads=os.cpu_count() or 0).executor
+    threads = os.cpu_count() or 0
+    return Engine.load(artifact, max_num_seqs=max_batch, max_context=max_context, threads=threads).executor
 
 
-def step_batch(step: Step) -> StepBatch:
-    """The executor batch for `step`: slots 0..batch-1, `tokens` new tokens each after `past` cached ones."""
-    return StepBatch(list(range(step.batch)), [[1] * step.tokens] * step.batch, [step.past] * step.batch)
+def step_batch(executor: Executor, step: Step) -> StepBatch:
+    """The executor batch for `step`: sequences 0..batch-1, `tokens` new tokens each after `past` cached ones."""
+    tables = sequential_block_tables(executor, [step.context] * step.batch)
+    return StepBatch([[1] * step.tokens] * step.batch, [step.past] * step.batch, tables)
 
 
 def time_step(executor: Executor, step: Step, repeats: int) -> list[float]:
-    """Seconds of `repeats` runs of `step`, after one warm-up run; the `past` tokens are prefilled first (a
-    paged cache, TVM's, only runs steps over tokens it really holds)."""
+    """Seconds of `repeats` runs of `step`, after one warm-up run; the `past` tokens are prefilled first."""
     if step.past:
-        executor.step(StepBatch(list(range(step.batch)), [[1] * step.past] * step.batch, [0] * step.batch))
-    batch = step_batch(step)
+        tables = sequential_block_tables(executor, [step.context] * step.batch)
+        executor.step(StepBatch([[1] * step.past] * step.batch, [0] * step.batch, tables))
+    batch = step_batch(executor, step)
     executor.step(batch)
     times = []
     for _ in range(repeats):

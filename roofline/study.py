@@ -29,7 +29,7 @@ from ..runtime.artifact import read_manifest
 from ..spec import ModelSpec
 from .ceilings import Ceilings
 from .cost import KINDS, NodeCost, StepCost, step_cost
-from .measure import artifact_executor, build_executor, check_backend, time_step
+from .measure import artifact_executor, build_executor, check_backend, time_step, timed_program
 from .shapes import Step, decode_step, prefill_step
 
 PIPELINE_WORDS: dict[str, tuple[str, ...]] = {
@@ -227,8 +227,9 @@ def run_study(
     for word, passes in words:
         program = run_pipeline(copy.deepcopy(captured), passes)
 
-        def executor_for(max_batch: int, max_context: int, program: Program = program) -> Any:
-            return build_executor(options.backend, program, max_batch, max_context)
+        def executor_for(max_batch: int, max_context: int, passes: list = passes) -> Any:
+            timed = timed_program(options.backend, captured, passes)  # in the backend's KV layout
+            return build_executor(options.backend, timed, max_batch, max_context)
 
         results.append(study_program(word, program, ceilings, options, executor_for))
     return _report(str(model), loaded.spec, ceilings, options, results)
@@ -243,7 +244,8 @@ def run_artifact_study(
     if checkpoint is None:
         raise LlmlowerError(f"{artifact} is an artifact: --checkpoint names the model it was compiled from")
     check_measurable(options, ceilings)
-    passes: list[PassSpec] = [(p["name"], p["options"]) for p in manifest["pipeline"]]
+    # costs come from the per-slot program: the paged layout moves the same bytes, addressed by blocks
+    passes: list[PassSpec] = [(p["name"], p["options"]) for p in manifest["pipeline"] if p["name"] != "paged_attention"]
     loaded = load(resolve_model(checkpoint), dtype=manifest["dtype"])
     if loaded.spec != ModelSpec.from_dict(manifest["spec"]):
         raise LlmlowerError(f"--checkpoint {checkpoint}: its spec differs from the one in {artifact}/manifest.json")
