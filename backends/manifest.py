@@ -25,8 +25,16 @@ def kv_layout_manifest(program: Program) -> dict[str, Any]:
     """The artifact's KV layout: SLOTS caches [slots, kv_heads, context, head_dim] (the block size is the
     runtime's choice), or PAGED pools [num_blocks, block_size, kv_heads, head_dim] (fixed when compiling)."""
     spec = program.spec
-    layout = {"kind": program.kv_layout.value, "layers": spec.num_layers, "kv_heads": spec.num_kv_heads}
-    layout["head_dim"] = spec.head_dim
-    if program.kv_layout is KVLayout.PAGED:
+    paged = program.kv_layout is KVLayout.PAGED
+    layout = {
+        "kind": program.kv_layout.value,
+        "shape": ["num_blocks", "block_size", "kv_heads", "head_dim"]
+        if paged
+        else ["slots", "kv_heads", "context", "head_dim"],
+        "layers": spec.num_layers,
+        "kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+    }
+    if paged:
         layout["block_size"] = program.block_size
     return layout

@@ -25,7 +25,8 @@ def test_manifest_describes_the_artifact(artifact):
     assert (manifest["backend"], manifest["target"], manifest["dtype"]) == ("onnx", "cpu", "float32")
     assert manifest["spec"]["num_kv_heads"] == 2
     assert [p["name"] for p in manifest["pipeline"]][-3:] == ["kv_cache", "fuse_qkv_attention", "last_token_logits"]
-    assert manifest["kv_layout"]["shape"] == ["batch", "kv_heads", "context", "head_dim"]
+    assert manifest["kv_layout"]["kind"] == "slots"  # GroupQueryAttention's per-sequence caches on the CPU
+    assert manifest["kv_layout"]["shape"] == ["slots", "kv_heads", "context", "head_dim"]
     step = manifest["entry_points"]["step"]
     assert [t["name"] for t in step["inputs"]][:4] == ["input_ids", "position_ids", "past_lens", "input_lens"]
     files = {"model.onnx", "model.onnx.data", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}

@@ -1,8 +1,11 @@
-"""TVM lowering run on the Relax VM (llvm, this CPU) against the torch reference: a batched prefill, a forked
-prefix and 8 decode steps through TVM's paged KV cache; cuda builds carry device code for the asked arch."""
+"""TVM lowering of PAGED programs run on the Relax VM (llvm, this CPU) against the torch reference on the same
+block tables: packed prompts, a prompt chunk continuing a sequence, a sequence forked from another's prefix
+(shared blocks plus a copied partial block) and decode steps, blocks scattered through the pool; artifacts
+run without torch; cuda builds carry device code for the asked arch."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -13,76 +16,125 @@ import torch
 from llmlower.api import compile_artifact
 from llmlower.backends.torch import TorchExecutor
 from llmlower.backends.tvm import TvmLoweringError, to_relax, tvm_target
-from llmlower.backends.tvm.executor import cpu_executor
+from llmlower.backends.tvm.executor import program_executor
 from llmlower.cli import main
 from llmlower.frontend import capture, load
-from llmlower.passes import build_pipeline, run_pipeline
+from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout
 from llmlower.runtime import StepBatch
-from llmlower.runtime.executors.tvm import ragged_rows
+from llmlower.runtime.executors.tvm import copy_rounds
+from llmlower.step_io import KVLayout
 
-PROMPT_LENS = [5, 9, 3]
+BLOCK_SIZE, MAX_CONTEXT, NUM_BLOCKS = 4, 32, 40
+FORK_AT = 18  # sequence 3 starts as sequence 1's first 18 tokens: 4 shared blocks, the partial 5th copied
+# new tokens per step for sequences 0..3 (0: not in the step): three prompts; decodes with a prompt chunk taking
+# sequence 1 to FORK_AT; the fork's prompt chunk with decodes; decodes of all four
+STEPS = [[5, 9, 3, 0], [1, 9, 1, 0], [1, 1, 1, 3], [1, 1, 1, 1], [1, 1, 1, 1]]
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def captures(tiny_checkpoints):
+    """Each architecture captured once (lazily); tests run their pipelines on copies."""
+    cache = {}
+
+    def captured(arch: str):
+        if arch not in cache:
+            cache[arch] = capture(load(tiny_checkpoints[arch]))
+        return copy.deepcopy(cache[arch])
+
+    return captured
+
+
+def _paged(captures, arch: str, **options):
+    pipeline = with_kv_layout(build_pipeline(**options), KVLayout.PAGED, BLOCK_SIZE)
+    return run_pipeline(captures(arch), pipeline)
+
+
+def _block_tables(rng: np.random.Generator) -> list[list[int]]:
+    """Scattered block ids for the four sequences' final lengths; sequence 3 shares sequence 1's first 4 blocks
+    and gets a fresh block for the partial 5th (the copy) and the rest."""
+    totals = np.sum(STEPS, axis=0)
+    totals[3] += FORK_AT
+    ids = iter(rng.permutation(NUM_BLOCKS).tolist())
+    tables = [[next(ids) for _ in range(-(-int(total) // BLOCK_SIZE))] for total in totals[:3]]
+    shared = FORK_AT // BLOCK_SIZE
+    tables.append(tables[1][:shared] + [next(ids) for _ in range(-(-int(totals[3]) // BLOCK_SIZE) - shared)])
+    return tables
 
 
 def _max_difference(program) -> float:
-    """Largest logit difference between TVM and torch over a batched prefill of 3 prompts, slot 3 forked
-    from slot 1's first 6 tokens, then 8 decode steps of all 4 sequences (the fork diverging from its parent)."""
-    ours, reference = cpu_executor(program, max_batch=4, max_context=32), TorchExecutor(program, 4, 32)
-    gen = torch.Generator().manual_seed(0)
+    """Largest logit difference between TVM and torch over STEPS (see the module docstring), then every pool's
+    difference after chained block copies (in order: a block copied into one that is copied on)."""
+    ours = program_executor(program, MAX_CONTEXT, NUM_BLOCKS)
+    reference = TorchExecutor(program, MAX_CONTEXT, NUM_BLOCKS)
+    rng = np.random.default_rng(0)
     vocab = program.spec.vocab_size
-    prompts = [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    batch = StepBatch([0, 1, 2], prompts, [0] * 3)
-    worst = float(np.abs(ours.step(batch) - reference.step(batch)).max())
-    for executor in (ours, reference):
-        executor.fork(1, 3, 6)
-    past = [*PROMPT_LENS, 6]
-    for _ in range(8):
-        tokens = [[int(t)] for t in torch.randint(5, vocab, (4,), generator=gen)]
-        batch = StepBatch([0, 1, 2, 3], tokens, past)
+    tables = _block_tables(rng)
+    past = [0, 0, 0, FORK_AT]
+    worst = 0.0
+    for new in STEPS:
+        if new[3]:  # sequence 3 forks sequence 1: its partial block is copied before either writes into it
+            for executor in (ours, reference):
+                executor.copy_blocks([(tables[1][FORK_AT // BLOCK_SIZE], tables[3][FORK_AT // BLOCK_SIZE])])
+        rows = [i for i, n in enumerate(new) if n]
+        batch = StepBatch(
+            [rng.integers(5, vocab, new[i]).tolist() for i in rows], [past[i] for i in rows], [tables[i] for i in rows]
+        )
         worst = max(worst, float(np.abs(ours.step(batch) - reference.step(batch)).max()))
-        past = [p + 1 for p in past]
+        past = [p + n for p, n in zip(past, new, strict=True)]
+    spare = sorted(set(range(NUM_BLOCKS)) - {b for table in tables for b in table})
+    chain = [(tables[0][0], spare[0]), (spare[0], spare[1]), (tables[2][1], tables[0][0])]
+    for executor in (ours, reference):
+        executor.copy_blocks(chain)
+    for name, pool in ours.pools.items():
+        worst = max(worst, float(np.abs(pool.numpy() - reference.caches[name].numpy()).max()))
     return worst
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "gpt2"])
-def test_fp32_tvm_matches_the_torch_reference(arch, tiny_checkpoints):
-    program = run_pipeline(capture(load(tiny_checkpoints[arch])), build_pipeline())
-    assert _max_difference(program) <= 1e-4
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "gpt2", "mistral"])
+def test_fp32_tvm_matches_the_torch_reference(arch, captures):
+    """mistral: sliding window 6, which the kernels apply over the blocks."""
+    assert _max_difference(_paged(captures, arch)) <= TOLERANCE
 
 
 @pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4g128-sym"])
-def test_quantized_lowering_is_exact(quant, tiny_checkpoints):
+def test_quantized_lowering_is_exact(quant, captures):
     """Dequantize-in-matmul computes in float32: the reference's product, int4 zero points of every kind."""
-    program = run_pipeline(capture(load(tiny_checkpoints["llama"])), build_pipeline(quant=quant))
-    assert _max_difference(program) <= 1e-4
+    assert _max_difference(_paged(captures, "llama", quant=quant)) <= TOLERANCE
 
 
-def test_a_quantized_embedding_lowers(tiny_checkpoints):
-    pipeline = build_pipeline(quant="q8", quantize_embedding=True)
-    program = run_pipeline(capture(load(tiny_checkpoints["gpt2"])), pipeline)
-    assert _max_difference(program) <= 1e-4
+def test_a_quantized_embedding_lowers(captures):
+    assert _max_difference(_paged(captures, "gpt2", quant="q8", quantize_embedding=True)) <= TOLERANCE
 
 
-def test_every_position_and_a_continued_prompt(tiny_checkpoints):
-    """Without last_token_logits the prefill returns every position; a sequence continued by several tokens
-    after a cut-back (popn) and a restarted slot give the reference's logits."""
-    program = run_pipeline(capture(load(tiny_checkpoints["llama"])), build_pipeline(all_logits=True))
-    ours, reference = cpu_executor(program, max_batch=4, max_context=32), TorchExecutor(program, 4, 32)
-    tokens = list(range(5, 17))
-    assert np.abs(ours.prompt_logits(tokens) - reference.prompt_logits(tokens)).max() <= 1e-4
-    steps = [StepBatch([0], [tokens[8:]], [8]), StepBatch([0], [[7, 8]], [4]), StepBatch([0, 1], [[9], [3, 4]], [6, 0])]
-    for batch in steps:
-        assert np.abs(ours.step(batch) - reference.step(batch)).max() <= 1e-4
+def test_every_position_logits(captures):
+    """Without last_token_logits the step returns every packed token's logits: prompt_logits scores them all,
+    and steps still give each sequence's last token."""
+    program = _paged(captures, "llama", all_logits=True)
+    ours = program_executor(program, MAX_CONTEXT, NUM_BLOCKS)
+    reference = TorchExecutor(program, MAX_CONTEXT, NUM_BLOCKS)
+    tokens = list(range(5, 22))
+    expected = reference.prompt_logits(tokens)
+    assert expected.shape == (len(tokens), program.spec.vocab_size)
+    assert np.abs(ours.prompt_logits(tokens) - expected).max() <= TOLERANCE
+    batch = StepBatch([[7, 8, 9], [3]], [0, 0], [[9, 2], [5]])
+    assert np.abs(ours.step(batch) - reference.step(batch)).max() <= TOLERANCE
 
 
-def test_ragged_rows_of_a_padded_step():
-    real, back = ragged_rows(np.array([2, 3, 1]))
-    assert real.tolist() == [0, 1, 3, 4, 5, 6]  # row b, token t of a [3, 3] step sits at 3 b + t
-    assert back.tolist() == [0, 1, 1, 2, 3, 4, 5, 5, 5]  # padding reads its sequence's last real token
+def test_block_copies_run_in_order():
+    """Copies run in parallel rounds; a copy reading or overwriting a block an earlier one writes, or writing one
+    it reads, waits for the next round."""
+    assert copy_rounds([(1, 2), (3, 4), (2, 5), (6, 3), (7, 8), (9, 8), (8, 1)]) == [
+        ([1, 3], [2, 4]),
+        ([2, 6, 7], [5, 3, 8]),
+        ([9], [8]),
+        ([8], [1]),
+    ]
 
 
-def test_sliding_window_is_refused_by_name(tiny_checkpoints):
-    program = run_pipeline(capture(load(tiny_checkpoints["mistral"])), build_pipeline())
-    with pytest.raises(TvmLoweringError, match="sliding_window 6"):
+def test_a_slots_program_is_refused(captures):
+    program = run_pipeline(captures("llama"), build_pipeline())
+    with pytest.raises(TvmLoweringError, match="lowers PAGED programs"):
         to_relax(program, tvm_target("cpu"))
 
 
@@ -96,8 +148,8 @@ def _mystery_fake(x):
     return torch.empty_like(x)
 
 
-def test_an_op_without_lowering_is_named_at_compile_time(tiny_checkpoints):
-    program = run_pipeline(capture(load(tiny_checkpoints["llama"])), build_pipeline())
+def test_an_op_without_lowering_is_named_at_compile_time(captures):
+    program = _paged(captures, "llama")
     graph = program.graph_module.graph
     output = next(n for n in graph.nodes if n.op == "output")
     logits = output.args[0][0]
@@ -112,26 +164,32 @@ def test_an_op_without_lowering_is_named_at_compile_time(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def artifact(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("artifacts") / "tiny-llama-tvm"
-    assert main(["compile", str(tiny_llama), "-o", str(out), "--backend", "tvm"]) == 0
+    assert main(["compile", str(tiny_llama), "-o", str(out), "--backend", "tvm", "--block-size", "8"]) == 0
     return out
 
 
 def test_the_artifact_runs_as_the_checkpoint_without_torch(artifact, tiny_llama, without_torch, capsys):
     manifest = json.loads((artifact / "manifest.json").read_text())
-    assert (manifest["backend"], manifest["target"], manifest["kv_layout"]["kind"]) == ("tvm", "cpu", "tvm_paged")
+    assert (manifest["backend"], manifest["target"]) == ("tvm", "cpu")
+    layout = {"kind": "paged", "block_size": 8, "layers": 2, "kv_heads": 2, "head_dim": 16}
+    assert manifest["kv_layout"] == {**layout, "shape": ["num_blocks", "block_size", "kv_heads", "head_dim"]}
+    assert set(manifest["entry_points"]) == {"step", "copy_blocks"}
     assert {"model.so", "weights.safetensors"} <= set(manifest["files"])
     args = ["--prompt", "Hello there", "--max-tokens", "8", "--json"]
     assert main(["generate", str(tiny_llama), *args]) == 0
     expected = json.loads(capsys.readouterr().out)["token_ids"]
     done = without_torch(
         f"""
-        from llmlower.runtime import Engine, SamplingParams
-        engine = Engine.load({str(artifact)!r})
-        print(engine.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=8))[0].token_ids)
+        from llmlower.runtime import Engine, EngineConfig, SamplingParams
+        engine = Engine.load({str(artifact)!r}, EngineConfig(max_num_seqs=2, max_context=64))
+        params = SamplingParams(temperature=0, max_tokens=8)
+        results = engine.generate(["Hello there", "Hello there"], params)
+        print([result.token_ids for result in results])
+        print(engine.executor.block_size, engine.executor.num_blocks)
         """
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(expected)
+    assert done.stdout.split("\n")[:2] == [str([expected, expected]), "8 16"]
 
 
 def test_unknown_target_and_misplaced_options_are_refused(tiny_llama, tmp_path, capsys):
@@ -154,5 +212,6 @@ def test_a_cuda_artifact_carries_gpu_code_for_the_asked_arch(arch, tiny_llama, t
     out = compile_artifact(tiny_llama, tmp_path / arch, backend="tvm", target="cuda", cuda_arch=arch)
     manifest = json.loads((out / "manifest.json").read_text())
     assert (manifest["dtype"], manifest["tvm"]["cuda_arch"]) == ("float16", arch)
+    assert manifest["kv_layout"]["kind"] == "paged"
     device_code = manifest["tvm"]["device_code"]
     assert elf_arches((out / device_code["file"]).read_bytes()) == {int(arch[3:])}

@@ -1,6 +1,7 @@
-"""The TVM backend: lower a Program to Relax (TVM's paged KV cache for attention, dequantize-in-matmul for
-int8/int4 weights), compile it for llvm or CUDA and run it with runtime.executors.tvm.TvmExecutor;
-artifact.build writes the library, its weights (safetensors) and the manifest as a deployable artifact."""
+"""The TVM backend: lower a PAGED Program to Relax (llmlower's paged-attention TIR kernels over block pools the
+runtime owns, dequantize-in-matmul for int8/int4 weights), compile it for llvm or CUDA and run it with
+runtime.executors.tvm.TvmExecutor; artifact.build writes the library, its weights (safetensors) and the manifest
+as a deployable artifact."""
 
 from .compile import check_target, compile_module, tvm_target
 from .relax_import import RelaxModel, TvmLoweringError, to_relax

@@ -13,10 +13,10 @@ from ...errors import LlmlowerError
 from ...ir.program import Program
 from ...progress import stage
 from ...runtime.artifact import write_artifact
-from ...runtime.executors.tvm import PAGE_SIZE
-from ..manifest import program_manifest
+from ...step_io import LOGITS, KVLayout, pool_names
+from ..manifest import kv_layout_manifest, program_manifest
 from .compile import compile_module, cuda_binary, tvm_target
-from .relax_import import STEP_FUNCTIONS, to_relax
+from .relax_import import COPY_BLOCKS, COPY_INDICES, STEP, to_relax
 
 LIBRARY, WEIGHTS, DEVICE_CODE = "model.so", "weights.safetensors", "model.fatbin"
 
@@ -31,9 +31,9 @@ def build(
 ) -> Path:
     """Lower and compile `program` for `target` and write it (and whatever `write_extra` adds) as an artifact."""
     tvm_tgt = tvm_target(target, cuda_arch, cpu)
-    if not program.has_kv_cache:
-        raise LlmlowerError("the tvm backend needs a program with a KV cache (the kv_cache pass)")
-    with stage("lower to Relax (from_exported_program, paged KV cache)"):
+    if program.kv_layout is not KVLayout.PAGED:
+        raise LlmlowerError("the tvm backend needs a program with a paged KV cache (kv_cache, then paged_attention)")
+    with stage("lower to Relax (from_exported_program, paged attention over block pools)"):
         model = to_relax(program, tvm_tgt)
     with stage(f"compile with TVM for {tvm_tgt.kind.name} ({tvm_tgt.attrs.get('arch') or tvm_tgt.attrs['mcpu']})"):
         executable = compile_module(model.module, tvm_tgt)
@@ -54,24 +54,20 @@ def build(
     spec = program.spec
     declared = {t.name: t.to_dict() for t in program.inputs}
     inputs = [declared.get(name, {"name": name}) for name in model.inputs]
-    logits = program.outputs[program.output_names.index("logits")].to_dict()
+    logits = program.outputs[program.output_names.index(LOGITS)].to_dict()
+    pools = [declared[name] for layer in range(spec.num_layers) for name in pool_names(layer)]
+    indices = [{"name": name, "dtype": "int32", "shape": ["count"]} for name in COPY_INDICES]
     manifest = {
         **program_manifest(program, "tvm", target),
         "tvm": {
             "target": str(tvm_tgt),
             "cuda_arch": tvm_tgt.attrs.get("arch"),
             "cpu": (tvm_tgt.host or tvm_tgt).attrs.get("mcpu"),
-            "rope_in_cache": model.cache_rotates,
         },
-        "kv_layout": {
-            "kind": "tvm_paged",
-            "page_size": PAGE_SIZE,
-            "layers": spec.num_layers,
-            "kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-        },
+        "kv_layout": kv_layout_manifest(program),
         "entry_points": {
-            name: {"file": LIBRARY, "function": name, "inputs": inputs, "outputs": [logits]} for name in STEP_FUNCTIONS
+            STEP: {"file": LIBRARY, "function": STEP, "inputs": inputs, "outputs": [logits]},
+            COPY_BLOCKS: {"file": LIBRARY, "function": COPY_BLOCKS, "inputs": pools + indices, "outputs": pools},
         },
         "weights": {"file": WEIGHTS, "order": list(model.params)},
     }

@@ -1,5 +1,5 @@
 """A TvmExecutor straight from a Program (no artifact): lower, compile for this CPU and load, for tests and the
-roofline study."""
+roofline study (the backends table's `program_executor`)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,21 @@ from ...runtime.executors.tvm import TvmExecutor
 from .compile import compile_module, tvm_target
 from .relax_import import to_relax
 
+DEFAULT_SEQUENCES = 4  # KV room when no pool size is given: this many sequences of max_context
 
-def cpu_executor(program: Program, max_batch: int = 4, max_context: int = 2048, threads: int = 0) -> TvmExecutor:
-    """Compile `program` for this machine's CPU and run it with a paged KV cache of max_batch x max_context."""
+
+def program_executor(
+    program: Program, max_context: int, num_blocks: int | None = None, threads: int = 0
+) -> TvmExecutor:
+    """Compile the PAGED `program` for this machine's CPU and run it with a pool of `num_blocks` KV blocks
+    (default: DEFAULT_SEQUENCES sequences of max_context)."""
     target = tvm_target("cpu")
     with stage("lower to Relax and compile with TVM"):
         model = to_relax(program, target)
         executable = compile_module(model.module, target)
+    spec = program.spec
+    block_size = program.block_size
+    max_context = min(max_context, spec.max_positions)
     all_positions = program.outputs[program.output_names.index(LOGITS)].shape[1] == "tokens"
     with tempfile.TemporaryDirectory() as directory:  # the loaded library stays mapped once the file is gone
         library = str(Path(directory) / "model.so")
@@ -27,7 +35,12 @@ def cpu_executor(program: Program, max_batch: int = 4, max_context: int = 2048, 
             library,
             model.params,
             model.inputs,
-            max_batch=max_batch,
+            layers=spec.num_layers,
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            block_size=block_size,
+            num_blocks=num_blocks or DEFAULT_SEQUENCES * -(-max_context // block_size),
             max_context=max_context,
             all_positions=all_positions,
             threads=threads,

@@ -1,8 +1,9 @@
 """Relax lowerings of the op set: one converter per op for `from_exported_program(custom_convert_map=...)`.
 
-A converter gets the FX node and the importer (a `StepImporter`, which holds the paged KV cache and the
-ragged-row indices of the step) and emits Relax. Attention goes to TVM's paged KV cache; `qlinear` is one
-TE function that dequantizes inside the matmul's reduction, the form DLight's GEMV/matmul rules schedule.
+A converter gets the FX node and the importer (a `StepImporter`, which holds the target and the step's
+int32 inputs for the attention kernels) and emits Relax. Paged attention goes to llmlower's TIR kernels over
+the caller's block pools (paged_kernels.py); `qlinear` is one TE function that dequantizes inside the matmul's
+reduction, the form DLight's GEMV/matmul rules schedule.
 """
 
 from __future__ import annotations
@@ -14,7 +15,17 @@ import torch.fx
 from tvm import relax, te, tirx
 
 from ...errors import LlmlowerError
-from ...ir import ADD_RMS_NORM, ATTENTION, QEMBEDDING, QKV_ATTENTION, QLINEAR, RMS_NORM, ROPE, SILU_MUL
+from ...ir import (
+    ADD_RMS_NORM,
+    PAGED_ATTENTION,
+    PAGED_QKV_ATTENTION,
+    QEMBEDDING,
+    QLINEAR,
+    RMS_NORM,
+    ROPE,
+    SILU_MUL,
+)
+from .paged_kernels import emit_paged_attention
 
 if TYPE_CHECKING:
     from .relax_import import StepImporter
@@ -25,7 +36,6 @@ class TvmLoweringError(LlmlowerError):
 
 
 Converter = Callable[[torch.fx.Node, "StepImporter"], relax.Expr]
-FUSED_QKV_ATTENTION = "vm.builtin.attention_kv_cache_attention_with_fused_qkv"
 
 
 def _emit(importer: StepImporter, expr: relax.Expr) -> relax.Var:
@@ -69,59 +79,71 @@ def rope(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     return _rotate(importer, x, cos, sin)
 
 
-def _layer(node: torch.fx.Node) -> int:
-    """The layer an attention node belongs to, from the name of its key cache input (k_cache_<layer>)."""
-    return int(node.args[1 if node.target == QKV_ATTENTION.overload else 3].name.rsplit("_", 1)[1])
+def _kernel_options(importer: StepImporter, k_pool: relax.Expr, heads: int, scale: float, window: int) -> dict:
+    """The keyword arguments of emit_paged_attention for a pool [num_blocks, block_size, kv_heads, head_dim]."""
+    block_size, kv_heads, head_dim = (int(k_pool.ty.shape[i]) for i in (1, 2, 3))
+    return {
+        "heads": int(heads),
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "scale": float(scale),
+        "window": int(window),
+        "target": importer.target,
+    }
 
 
-def _cache_attention(
-    importer: StepImporter, layer: int, qkv: relax.Expr, heads: int, scale: float
-) -> tuple[relax.Var, relax.Expr, relax.Expr]:
-    """Attention of padded qkv [batch, tokens, heads + 2 kv_heads, head_dim] through the paged KV cache,
-    which takes the step's tokens ragged (only real ones, sequence after sequence); returns the output
-    [batch, tokens, heads, head_dim] (padded positions hold another token's output) and batch, tokens."""
-    batch, tokens, all_heads, head_dim = qkv.ty.shape
-    rows = _emit(importer, relax.op.reshape(qkv, [batch * tokens, all_heads, head_dim]))
-    ragged = _emit(importer, relax.op.take(rows, importer.ragged_rows, axis=0))
-    count = ragged.ty.shape[0]
-    out = _emit(
-        importer,
-        relax.call_dps_packed(
-            FUSED_QKV_ATTENTION,
-            [importer.kv_cache, relax.prim_value(layer), relax.prim_value(float(scale)), ragged],
-            out_ty=relax.TensorType((count, heads, head_dim), qkv.ty.dtype),
-        ),
+def _window(node: torch.fx.Node, args: list, at: int) -> int:
+    """The op's window argument (torch.export leaves out a default 0)."""
+    return int(node.kwargs.get("window", args[at] if len(args) > at else 0))
+
+
+def paged_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    """q [1, H, N, D] and k, v [1, KV, N, D], already rotated, packed tokens: the paged kernels append k/v into
+    the pools (in place) and attend; the op's updated-pool outputs are the pools themselves."""
+    args = importer.retrieve_args(node)
+    q, k, v, k_pool, v_pool, _, _, _, scale = args[:9]
+    heads, tokens = q.ty.shape[1], q.ty.shape[2]
+    rows = [_emit(importer, relax.op.permute_dims(x, [0, 2, 1, 3])) for x in (q, k, v)]
+    rows = [_emit(importer, relax.op.reshape(x, [tokens, x.ty.shape[2], x.ty.shape[3]])) for x in rows]
+    out = emit_paged_attention(
+        importer.block_builder,
+        *rows,
+        k_pool,
+        v_pool,
+        *importer.kernel_inputs(),
+        **_kernel_options(importer, k_pool, heads, scale, _window(node, args, 9)),
     )
-    padded = _emit(importer, relax.op.take(out, importer.padded_rows, axis=0))
-    return _emit(importer, relax.op.reshape(padded, [batch, tokens, heads, head_dim])), batch, tokens
+    out = _emit(importer, relax.op.reshape(out, [1, *out.ty.shape]))
+    return relax.Tuple([_emit(importer, relax.op.permute_dims(out, [0, 2, 1, 3])), k_pool, v_pool])
 
 
-def attention(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
-    """q [B, H, T, D] and k, v [B, KV, T, D], already rotated: concatenated into the cache's fused qkv."""
-    q, k, v, _, _, _, _, scale, *_ = importer.retrieve_args(node)
-    qkv = _emit(importer, relax.op.permute_dims(relax.op.concat([q, k, v], axis=1), [0, 2, 1, 3]))
-    out, _, _ = _cache_attention(importer, _layer(node), qkv, int(q.ty.shape[1]), scale)
-    out = _emit(importer, relax.op.permute_dims(out, [0, 2, 1, 3]))
-    return relax.Tuple([out, importer.kv_cache, importer.kv_cache])  # the updated caches live in the cache
-
-
-def qkv_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
-    """Fused qkv [B, T, (H + 2 KV) * D]: the cache rotates q and k itself where its rope matches the
-    program's tables (importer.cache_rotates), otherwise the tables rotate them here first."""
-    qkv, _, _, _, _, cos_table, sin_table, heads, kv_heads, scale, *_ = importer.retrieve_args(node)
-    head_dim = importer.spec.head_dim
-    batch, tokens, _ = qkv.ty.shape
-    qkv = _emit(importer, relax.op.reshape(qkv, [batch, tokens, heads + 2 * kv_heads, head_dim]))
-    if not importer.cache_rotates:
-        positions = importer.position_ids
-        cos, sin = (_emit(importer, relax.op.take(t, positions, axis=0)) for t in (cos_table, sin_table))
-        cos, sin = (_emit(importer, relax.op.expand_dims(relax.op.concat([t, t], 2), 2)) for t in (cos, sin))
-        parts = _emit(importer, relax.op.split(qkv, [heads + kv_heads], axis=2))
-        rotated = _rotate(importer, _emit(importer, relax.TupleGetItem(parts, 0)), cos, sin)
-        qkv = _emit(importer, relax.op.concat([rotated, relax.TupleGetItem(parts, 1)], axis=2))
-    out, batch, tokens = _cache_attention(importer, _layer(node), qkv, heads, scale)
-    out = _emit(importer, relax.op.reshape(out, [batch, tokens, heads * head_dim]))
-    return relax.Tuple([out, importer.kv_cache, importer.kv_cache])
+def paged_qkv_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    """Fused qkv [1, N, (H + 2 KV) * D], packed tokens: q and k rotated here with the tables' rows at
+    position_ids (each token's position in its sequence), then the paged kernels as in paged_attention."""
+    args = importer.retrieve_args(node)
+    qkv, k_pool, v_pool, _, _, _, cos_table, sin_table, heads, kv_heads, scale = args[:11]
+    head_dim = int(k_pool.ty.shape[3])
+    tokens = qkv.ty.shape[1]
+    qkv = _emit(importer, relax.op.reshape(qkv, [tokens, heads + 2 * kv_heads, head_dim]))
+    positions = _emit(importer, relax.op.reshape(importer.position_ids, [tokens]))
+    cos, sin = (_emit(importer, relax.op.take(t, positions, axis=0, mode="clip")) for t in (cos_table, sin_table))
+    cos, sin = (_emit(importer, relax.op.expand_dims(relax.op.concat([t, t], 1), 1)) for t in (cos, sin))
+    parts = _emit(importer, relax.op.split(qkv, [heads, heads + kv_heads], axis=1))
+    q, k, v = (_emit(importer, relax.TupleGetItem(parts, i)) for i in range(3))
+    q, k = (_rotate(importer, x, cos, sin) for x in (q, k))
+    out = emit_paged_attention(
+        importer.block_builder,
+        q,
+        k,
+        v,
+        k_pool,
+        v_pool,
+        *importer.kernel_inputs(),
+        **_kernel_options(importer, k_pool, heads, scale, _window(node, args, 11)),
+    )
+    out = _emit(importer, relax.op.reshape(out, [1, tokens, heads * head_dim]))
+    return relax.Tuple([out, k_pool, v_pool])
 
 
 def _dequantized(qweight: te.Tensor, scales: te.Tensor, zeros: te.Tensor | None, bits: int, width: int):
@@ -172,9 +194,7 @@ def qlinear(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
         b = rest.pop(0) if bias is not None else None
         return _qlinear_te(x, qweight, scales, z, b, bits, in_features)
 
-    return importer.block_builder.emit_te(
-        compute, *tensors, primfunc_name_hint=f"{importer.kernel_prefix}dequantize_matmul"
-    )
+    return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="dequantize_matmul")
 
 
 def qembedding(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
@@ -185,9 +205,7 @@ def qembedding(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
         weight = _dequantized(qweight, scales, zeros, bits, dim)
         return te.compute((*ids.shape, dim), lambda *i: weight(ids[i[:-1]], i[-1]), name="dequantize_take")
 
-    return importer.block_builder.emit_te(
-        compute, *tensors, primfunc_name_hint=f"{importer.kernel_prefix}dequantize_take"
-    )
+    return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="dequantize_take")
 
 
 def _matmul_float32(importer: StepImporter, a: relax.Expr, b: relax.Expr) -> relax.Expr:
@@ -215,8 +233,8 @@ CONVERTERS: dict[str, Converter] = {
     ADD_RMS_NORM.name: add_rms_norm,
     SILU_MUL.name: silu_mul,
     ROPE.name: rope,
-    ATTENTION.name: attention,
-    QKV_ATTENTION.name: qkv_attention,
+    PAGED_ATTENTION.name: paged_attention,
+    PAGED_QKV_ATTENTION.name: paged_qkv_attention,
     QLINEAR.name: qlinear,
     QEMBEDDING.name: qembedding,
 }

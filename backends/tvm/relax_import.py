@@ -1,15 +1,19 @@
-"""Program -> Relax IRModule with TVM's paged KV cache: `prefill` and `decode` step functions and
-`create_kv_cache`, the weights kept out of the module as parameters.
+"""PAGED Program -> Relax IRModule: a `step` function for any number of packed tokens and `copy_blocks`, the
+weights kept out of the module as parameters.
 
-The step graph is the Program with logits as its only output: the per-layer cache tensors become one
-object parameter, TVM's paged KV cache, which the attention converters call (lowerings.py). The cache takes
-a step's tokens ragged, so a step also gets `ragged_rows` (the flat index of each real token in the padded
-[batch * tokens] layout) and `padded_rows` (for each padded position, the ragged row it reads back).
+The step graph is the Program with logits as its only output. Its inputs stay the program's own (input_ids,
+position_ids [1, tokens], past_lens, input_lens [seqs] and block_tables [seqs, blocks], int64) and the
+per-layer block pools k_pool_<i> / v_pool_<i> [num_blocks, block_size, kv_heads, head_dim] are ordinary tensor
+parameters: the runtime's block tables are the single source of truth, and the paged-attention kernels
+(paged_kernels.py) append into the caller's pools in place. What the kernels want (int32 tables and lengths,
+query_start = the exclusive cumsum of input_lens with a leading 0) is computed once inside the function.
+
+`copy_blocks(k_pool_0, v_pool_0, k_pool_1, ..., src, dst)` copies blocks src[i] -> dst[i] (int32) in every
+pool, in place, and returns the pools.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -17,57 +21,62 @@ import torch
 import torch.fx
 import tvm
 from tvm import relax, tirx
-from tvm.relax.frontend.nn.llm.kv_cache import RopeMode, TIRPagedKVCache
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from ...ir import ATTENTION, QKV_ATTENTION
-from ...ir.program import INPUT_IDS, LOGITS, POSITION_IDS, Program, fetch_attr
+from ...ir.program import LOGITS, Program, fetch_attr
 from ...spec import ModelSpec
+from ...step_io import BLOCK_TABLES, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout, pool_names
 from .lowerings import TvmLoweringError, convert_map
+from .paged_kernels import emit_copy_blocks
 
-KV_CACHE, RAGGED_ROWS, PADDED_ROWS = "paged_kv_cache", "ragged_rows", "padded_rows"
-STEP_FUNCTIONS = ("prefill", "decode")
-CACHE_INPUT = re.compile(r"[kv]_cache_\d+")
-CACHE_SHAPE_VARS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size", "support_sliding")
-ROPE_TOLERANCE = 2e-3  # float32 angles at 8k positions differ by ~1e-3 between implementations
+STEP, COPY_BLOCKS = "step", "copy_blocks"
+COPY_INDICES = ("src", "dst")
 
 
 @dataclass
 class RelaxModel:
-    """The IRModule to compile, its weights in the order the step functions take them, and how rope is done."""
+    """The IRModule to compile and its weights in the order the step function takes them."""
 
     module: tvm.IRModule
     params: dict[str, np.ndarray]
-    cache_rotates: bool
 
     @property
     def inputs(self) -> list[str]:
-        """The step functions' data inputs, in call order (the weights follow them)."""
-        prefill = self.module["prefill"]
-        return [v.name for v in prefill.params[: int(prefill.attrs["num_input"])]]
+        """The step function's data inputs, in call order (the weights follow them)."""
+        step = self.module[STEP]
+        return [v.name for v in step.params[: int(step.attrs["num_input"])]]
 
 
 class StepImporter(ExportedProgramImporter):
-    """from_exported_program's importer with the KV-cache tensors replaced by TVM's paged KV cache object
-    and the ragged-row inputs added; the converters read both from here."""
+    """from_exported_program's importer for a PAGED step: the converters read the target of the attention
+    kernels, position_ids and the kernels' int32 step inputs (made once, at the first attention) from here."""
 
-    def __init__(self, spec: ModelSpec, cache_rotates: bool, kernel_prefix: str) -> None:
+    def __init__(self, target: tvm.target.Target) -> None:
         super().__init__()
-        self.spec, self.cache_rotates, self.kernel_prefix = spec, cache_rotates, kernel_prefix
-        self.kv_cache = relax.Var(KV_CACHE, relax.ObjectType())
+        self.target = target
+        self._step_inputs: tuple[relax.Expr, relax.Expr, relax.Expr] | None = None
 
     def create_input_vars(self, exported_program: torch.export.ExportedProgram):
         params, users, ranges = super().create_input_vars(exported_program)
-        for node in exported_program.graph.find_nodes(op="placeholder"):
-            if CACHE_INPUT.fullmatch(node.name):
-                self.env[node] = self.kv_cache
-                del users[node.name]
-        batch, tokens = users[INPUT_IDS].ty.shape
-        self.position_ids = users[POSITION_IDS]
-        self.ragged_rows = relax.Var(RAGGED_ROWS, relax.TensorType([tirx.Var("ragged_tokens", "int64")], "int64"))
-        self.padded_rows = relax.Var(PADDED_ROWS, relax.TensorType([batch * tokens], "int64"))
-        users.update({KV_CACHE: self.kv_cache, RAGGED_ROWS: self.ragged_rows, PADDED_ROWS: self.padded_rows})
+        self.users = users
         return params, users, ranges
+
+    @property
+    def position_ids(self) -> relax.Var:
+        """position_ids [1, tokens]: each packed token's position in its sequence."""
+        return self.users[POSITION_IDS]
+
+    def kernel_inputs(self) -> tuple[relax.Expr, relax.Expr, relax.Expr]:
+        """block_tables [S, M], past_lens [S] and query_start [S + 1] as the kernels take them (int32)."""
+        if self._step_inputs is None:
+            bb = self.block_builder
+            tables = bb.emit(relax.op.astype(self.users[BLOCK_TABLES], "int32"))
+            past = bb.emit(relax.op.astype(self.users[PAST_LENS], "int32"))
+            ends = bb.emit(relax.op.cumsum(self.users[INPUT_LENS], axis=0, dtype="int32"))
+            zero = relax.const(np.zeros(1, "int32"))
+            starts = bb.emit(relax.op.concat([zero, ends], axis=0))
+            self._step_inputs = (tables, past, starts)
+        return self._step_inputs
 
 
 def step_program(program: Program) -> Program:
@@ -99,114 +108,51 @@ def check_lowerable(exported: torch.export.ExportedProgram, converters: dict) ->
             raise TvmLoweringError(f"the TVM backend cannot lower node {node.name} (op {node.target})")
 
 
-def cache_can_rotate(program: Program) -> bool:
-    """Whether TVM's cache can apply rope itself: every attention is a qkv_attention whose rotary tables
-    are plain `rope_theta` ones over the whole head (what the cache's kernels compute)."""
-    nodes = program.graph_module.graph.find_nodes
-    rope = program.spec.rope or {}
-    if nodes(op="call_function", target=ATTENTION.overload) or rope.get("rope_type", "default") != "default":
-        return False
-    fused = nodes(op="call_function", target=QKV_ATTENTION.overload)
-    if not fused or "rope_theta" not in rope:
-        return False
-    head_dim = program.spec.head_dim
-    inv_freq = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
-    for node in fused:
-        cos = fetch_attr(program.graph_module, node.args[5].target).float().numpy()
-        sin = fetch_attr(program.graph_module, node.args[6].target).float().numpy()
-        if cos.shape[1] != head_dim // 2:
-            return False
-        angles = np.arange(cos.shape[0])[:, None] * inv_freq[None, :]
-        if max(np.abs(cos - np.cos(angles)).max(), np.abs(sin - np.sin(angles)).max()) > ROPE_TOLERANCE:
-            return False
-    return True
-
-
-def _create_kv_cache(builder: relax.BlockBuilder, spec: ModelSpec, cache_rotates: bool, target: tvm.target.Target):
-    """create_kv_cache(shape [max_batch, max_total_tokens, prefill_chunk, page_size, sliding]) -> the cache,
-    with TVM's TIR attention kernels for `target` added to the module."""
-    sizes = [tirx.Var(name, "int64") for name in CACHE_SHAPE_VARS]
-    theta = (spec.rope or {}).get("rope_theta", 10000.0)
-    with builder.function("create_kv_cache", [relax.Var("sizes", relax.ShapeType(sizes))]):
-        cache = TIRPagedKVCache(
-            attn_kind="mha",
-            max_batch_size=sizes[0],
-            max_total_seq_len=sizes[1],
-            prefill_chunk_size=sizes[2],
-            page_size=sizes[3],
-            support_sliding_window=sizes[4],
-            layer_partition=relax.ShapeExpr([0, spec.num_layers]),
-            num_hidden_layers=spec.num_layers,
-            num_attention_heads=spec.num_heads,
-            num_key_value_heads=spec.num_kv_heads,
-            qk_head_dim=spec.head_dim,
-            v_head_dim=spec.head_dim,
-            mla_original_qk_head_dim=0,
-            mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL if cache_rotates else RopeMode.NONE,
-            rope_scale=1,
-            rope_theta=theta,
-            rope_scaling={},
-            rope_ext_factors=relax.prim_value(0),
-            rotary_dim=spec.head_dim,
-            enable_disaggregation=False,
-            dtype=spec.dtype,
-            target=target,
-        )
-        builder.emit_func_output(cache._expr)
-
-
 def _prepare(exported: torch.export.ExportedProgram) -> None:
-    """Rewrite what TVM's importer cannot take: negative slice dims (its dynamic-shape slice wants positive
-    ones), and the batch size read off a KV-cache tensor (the cache becomes an object; input_ids has it too)."""
-    graph = exported.graph
-    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor):
+    """Rewrite what TVM's importer cannot take: negative slice dims (its dynamic-shape slice wants positive ones)."""
+    for node in exported.graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor):
         if len(node.args) > 1 and node.args[1] < 0:
             node.args = (node.args[0], node.args[1] + node.meta["val"].dim(), *node.args[2:])
-    input_ids = next(n for n in graph.find_nodes(op="placeholder") if n.name == INPUT_IDS)
-    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.sym_size.int):
-        source, dim = node.args
-        if CACHE_INPUT.fullmatch(source.name):
-            if dim != 0:
-                raise TvmLoweringError(f"node {node.name} reads dimension {dim} of the KV cache {source.name}")
-            node.args = (input_ids, 0)
 
 
-def _import(
-    step: Program, cache_rotates: bool, kernel_prefix: str, fixed: dict[str, int] | None = None
-) -> tuple[tvm.IRModule, relax.Function]:
-    """One step function imported from a fresh export (with `fixed` sizes); returns its kernels (named with
-    `kernel_prefix`, so two imports' kernels can share a module) and the function."""
-    converters = convert_map()
-    exported = step.export(fixed).run_decompositions()
-    _prepare(exported)
-    check_lowerable(exported, converters)
-    importer = StepImporter(step.spec, cache_rotates, kernel_prefix)
-    module = importer.from_exported_program(exported, True, True, False, converters)
-    kernels = tvm.IRModule({gv: f for gv, f in module.functions.items() if gv.name_hint != "main"})
-    return kernels, module["main"]
+def _copy_blocks(builder: relax.BlockBuilder, step: relax.Function, spec: ModelSpec, target: tvm.target.Target):
+    """copy_blocks(every layer's k and v pool, src [count], dst [count]) -> the pools, copied in place."""
+    types = {v.name: v.ty for v in step.params}
+    num_blocks, count = tirx.Var("num_blocks", "int64"), tirx.Var("count", "int64")
+    pools = [
+        relax.Var(name, relax.TensorType([num_blocks, *list(types[name].shape)[1:]], types[name].dtype))
+        for layer in range(spec.num_layers)
+        for name in pool_names(layer)
+    ]
+    src, dst = (relax.Var(name, relax.TensorType([count], "int32")) for name in COPY_INDICES)
+    with builder.function(COPY_BLOCKS, [*pools, src, dst]):
+        with builder.dataflow():
+            copied = [emit_copy_blocks(builder, pool, src, dst, target) for pool in pools]
+            out = builder.emit_output(relax.Tuple(copied))
+        builder.emit_func_output(out)
 
 
 def to_relax(program: Program, target: tvm.target.Target) -> RelaxModel:
-    """The Relax module of `program` for `target` (whose attention kernels the cache needs): `prefill` for any
-    number of tokens per sequence, `decode` for one (its kernels specialised to that shape)."""
-    if program.spec.sliding_window:
+    """The Relax module of a PAGED `program` for `target`: `step` for any number of packed tokens of any
+    number of sequences, and `copy_blocks`."""
+    if program.kv_layout is not KVLayout.PAGED:
         raise TvmLoweringError(
-            f"the TVM backend does not lower sliding-window attention yet (model {program.spec.architecture}, "
-            f"sliding_window {program.spec.sliding_window})"
+            "the TVM backend lowers PAGED programs (the paged_attention pass, e.g. "
+            "with_kv_layout(pipeline, KVLayout.PAGED, block_size))"
         )
-    step = step_program(program)
-    cache_rotates = cache_can_rotate(program)
-    kernels, prefill = _import(step, cache_rotates, "")
-    decode_kernels, decode = _import(step, cache_rotates, "decode_", fixed={"tokens": 1})
-    kernels.update(decode_kernels)
-    names = [p.name for p in prefill.params[int(prefill.attrs["num_input"]) :]]
-    params = {name: tensor.numpy() for name, tensor in zip(names, prefill.attrs["params"], strict=True)}
-    builder = relax.BlockBuilder(kernels)
-    for name, function in zip(STEP_FUNCTIONS, (prefill, decode), strict=True):
-        # no tir_var_upper_bound: torch.export's bounds (4096 sequences x the whole context) would make the VM
-        # plan every buffer for that size; without them buffers are sized per call and pooled
-        function = function.without_attr("params").without_attr("tir_var_upper_bound")
-        builder.add_func(function.with_attr("global_symbol", name), name)
-    _create_kv_cache(builder, program.spec, cache_rotates, target)
-    return RelaxModel(builder.get(), params, cache_rotates)
+    converters = convert_map()
+    exported = step_program(program).export().run_decompositions()
+    _prepare(exported)
+    check_lowerable(exported, converters)
+    importer = StepImporter(target)
+    module = importer.from_exported_program(exported, True, True, False, converters)
+    step = module["main"]
+    names = [p.name for p in step.params[int(step.attrs["num_input"]) :]]
+    params = {name: tensor.numpy() for name, tensor in zip(names, step.attrs["params"], strict=True)}
+    builder = relax.BlockBuilder(tvm.IRModule({gv: f for gv, f in module.functions.items() if gv.name_hint != "main"}))
+    # no tir_var_upper_bound: torch.export's bounds (65536 tokens, 4096 sequences) would make the VM plan every
+    # buffer for that size; without them buffers are sized per call and pooled
+    step = step.without_attr("params").without_attr("tir_var_upper_bound")
+    builder.add_func(step.with_attr("global_symbol", STEP), STEP)
+    _copy_blocks(builder, step, program.spec, target)
+    return RelaxModel(builder.get(), params)

@@ -1,11 +1,11 @@
 """Executor on the TVM Relax VM: runs a library compiled by llmlower's TVM backend (needs numpy, safetensors
 and TVM's runtime).
 
-The KV cache is TVM's paged KV cache, created once by the library's `create_kv_cache`. The executor keeps
-TVM's sequences in step with the runtime's slots: a slot seen for the first time is added, a slot starting
-over (past 0) is removed and added again, a slot whose step says it holds fewer tokens than TVM's sequence is
-cut back (popn), and `fork` shares a prefix copy-on-write. Each step is begin_forward -> prefill or decode
-(one token per sequence) -> end_forward, the step's real tokens passed ragged as the cache wants them.
+The KV cache is one pair of block pools per layer, [num_blocks, block_size, kv_heads, head_dim] tensors on the
+VM's device, allocated here (zeros) and owned by the executor; the runtime's block tables are the only record of
+which blocks a sequence uses. A step packs the batch's tokens (pack_batch) and calls the library's `step` with
+the program's own inputs and the pools, which its paged-attention kernels update in place; `copy_blocks` copies
+blocks on the device through the library's `copy_blocks`.
 """
 
 from __future__ import annotations
@@ -20,28 +20,13 @@ import safetensors.numpy
 import tvm
 import tvm_ffi
 from tvm import relax
-from tvm.runtime import ShapeTuple
 
 from ...errors import GenerationError
-from ..executor import Executor, PaddedBatch, StepBatch, last_token_logits, pad_batch
+from ...step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout, pool_names
+from ..executor import Executor, StepBatch, last_token_logits, pack_batch, sequential_block_tables
 
-PAGE_SIZE = 16
+STEP, COPY_BLOCKS = "step", "copy_blocks"
 DEVICES = {"cpu": tvm.cpu, "cuda": tvm.cuda}
-
-
-def _builtin(name: str) -> tvm.runtime.PackedFunc:
-    return tvm.get_global_func(f"vm.builtin.{name}")
-
-
-def ragged_rows(input_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For a right-padded [batch, tokens] step: the flat index of each real token (sequence after sequence),
-    and for each padded position the ragged row it reads back (padding reads its sequence's last token)."""
-    width = int(input_lens.max())
-    steps = np.arange(width)[None, :]
-    real = np.flatnonzero((steps < input_lens[:, None]).reshape(-1))
-    offsets = np.cumsum(input_lens) - input_lens
-    back = offsets[:, None] + np.minimum(steps, input_lens[:, None] - 1)
-    return real.astype(np.int64), back.reshape(-1).astype(np.int64)
 
 
 def use_prebuilt_kernels(binary: bytes, source_sha256: str) -> None:
@@ -61,111 +46,133 @@ def use_prebuilt_kernels(binary: bytes, source_sha256: str) -> None:
     tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_cuda, override=True)
 
 
+def copy_rounds(pairs: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
+    """(sources, destinations) batches that, run one after another with each batch's copies in parallel, do
+    the pairs' copies in order: a batch never reads or writes a block another of its copies writes."""
+    rounds: list[tuple[list[int], list[int]]] = []
+    reads: set[int] = set()
+    writes: set[int] = set()
+    for source, destination in pairs:
+        if not rounds or source in writes or destination in writes or destination in reads:
+            rounds.append(([], []))
+            reads, writes = set(), set()
+        rounds[-1][0].append(source)
+        rounds[-1][1].append(destination)
+        reads.add(source)
+        writes.add(destination)
+    return rounds
+
+
 class TvmExecutor(Executor):
     def __init__(
         self,
         library: str,
         weights: Mapping[str, np.ndarray],
         inputs: Sequence[str],
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: str,
+        block_size: int,
+        num_blocks: int,
+        max_context: int,
         device: str = "cpu",
-        max_batch: int = 4,
-        max_context: int = 2048,
         all_positions: bool = False,
         threads: int = 0,
     ) -> None:
+        """`inputs`: the step function's data inputs in call order (the weights follow them, in `weights`'
+        order); `all_positions`: the step returns every packed token's logits (no last_token_logits)."""
         if threads > 0:
             tvm.get_global_func("runtime.config_threadpool")(1, threads)  # TVM's pool: 1 = big cores first
+        self.kv_layout = KVLayout.PAGED
+        self.block_size, self.num_blocks, self.max_context = block_size, num_blocks, max_context
+        self.all_positions = all_positions
         self.device = DEVICES[device](0)
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(library), self.device)
+        self._step, self._copy_blocks = self.vm[STEP], self.vm[COPY_BLOCKS]
         self.params = [tvm.runtime.tensor(w, self.device) for w in weights.values()]
         self.inputs = list(inputs)
-        self.max_batch, self.max_context, self.all_positions = max_batch, max_context, all_positions
-        tokens = max_batch * max_context
-        sizes = ShapeTuple([max_batch, tokens, tokens, PAGE_SIZE, 0])
-        self.cache = self.vm["create_kv_cache"](sizes)
-        self.lengths: dict[int, int] = {}  # tokens TVM's cache holds per slot
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.pools = {
+            name: tvm.runtime.tensor(np.zeros(shape, dtype), self.device)
+            for layer in range(layers)
+            for name in pool_names(layer)
+        }
+        missing = [name for name in self.pools if name not in self.inputs]
+        if missing:
+            raise GenerationError(f"the step function takes no pools {', '.join(missing)}")
 
     @classmethod
     def from_artifact(
-        cls, artifact: Path, manifest: dict[str, Any], max_batch: int, max_context: int, threads: int = 0
+        cls,
+        artifact: Path,
+        manifest: dict[str, Any],
+        num_blocks: int,
+        block_size: int,
+        max_context: int,
+        threads: int = 0,
     ) -> TvmExecutor:
+        layout = manifest["kv_layout"]
+        if layout["kind"] != KVLayout.PAGED.value or layout["block_size"] != block_size:
+            raise GenerationError(
+                f"{artifact}: KV layout {layout['kind']} of blocks of {layout.get('block_size')}, asked for paged "
+                f"blocks of {block_size}"
+            )
         device_code = manifest["tvm"].get("device_code")
         if device_code is not None:
             use_prebuilt_kernels((artifact / device_code["file"]).read_bytes(), device_code["source_sha256"])
         weights = safetensors.numpy.load_file(str(artifact / manifest["weights"]["file"]))
-        prefill = manifest["entry_points"]["prefill"]
+        step = manifest["entry_points"][STEP]
         return cls(
-            str(artifact / prefill["file"]),
+            str(artifact / step["file"]),
             {name: weights[name] for name in manifest["weights"]["order"]},
-            [t["name"] for t in prefill["inputs"]],
-            device=manifest["target"],
-            max_batch=max_batch,
+            [t["name"] for t in step["inputs"]],
+            layers=layout["layers"],
+            kv_heads=layout["kv_heads"],
+            head_dim=layout["head_dim"],
+            dtype=manifest["dtype"],
+            block_size=block_size,
+            num_blocks=num_blocks,
             max_context=max_context,
-            all_positions=prefill["outputs"][0]["shape"][1] == "tokens",
+            device=manifest["target"],
+            all_positions=step["outputs"][0]["shape"][1] == "tokens",
             threads=threads,
         )
 
     def step(self, batch: StepBatch) -> np.ndarray:
-        padded = pad_batch(batch)
-        return last_token_logits(self._run(batch.slots, padded), padded.input_lens)
+        self.check_step(batch)
+        logits = self._run(batch)
+        return last_token_logits(logits, np.array([len(t) for t in batch.tokens]), KVLayout.PAGED)
 
     def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
-        if not self.all_positions:
+        if not self.all_positions and len(tokens) > 1:
             raise GenerationError("this model computes last-token logits only; compile without last_token_logits")
-        return self._run([0], pad_batch(StepBatch([0], [tokens], [0])))[0].astype(np.float32)
+        batch = StepBatch([tokens], [0], sequential_block_tables(self, [len(tokens)]))
+        self.check_step(batch)
+        return self._run(batch)[0].astype(np.float32, copy=False)
 
-    def fork(self, parent: int, child: int, length: int) -> None:
-        """Slot `child` starts as the first `length` tokens of slot `parent` (pages shared, copy-on-write)."""
-        held = self.lengths.get(parent, 0)
-        if not 0 < length <= held:
-            raise GenerationError(f"fork: slot {parent} holds {held} tokens, cannot share {length}")
-        self._release(child)
-        _builtin("kv_state_fork_sequence")(self.cache, parent, child, length)
-        self.lengths[child] = length
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        for source, destination in pairs:
+            if not (0 <= source < self.num_blocks and 0 <= destination < self.num_blocks):
+                raise GenerationError(f"copy_blocks: block pair {(source, destination)} is outside the pool")
+        pools = list(self.pools.values())
+        for sources, destinations in copy_rounds(pairs):
+            indices = [tvm.runtime.tensor(np.array(i, dtype=np.int32), self.device) for i in (sources, destinations)]
+            self._copy_blocks(*pools, *indices)  # in place: the returned pools are these tensors
 
-    def _release(self, slot: int) -> None:
-        if self.lengths.pop(slot, None) is not None:
-            _builtin("kv_state_remove_sequence")(self.cache, slot)
-
-    def _sync(self, slot: int, past: int) -> None:
-        """Make TVM's sequence for `slot` hold exactly its first `past` tokens."""
-        if past == 0:
-            self._release(slot)
-        held = self.lengths.setdefault(slot, 0)
-        if held == 0 and past == 0:
-            _builtin("kv_state_add_sequence")(self.cache, slot)
-        elif held < past:
-            raise GenerationError(f"slot {slot}: the step continues after {past} tokens, the cache holds {held}")
-        elif held > past:
-            _builtin("kv_state_popn")(self.cache, slot, held - past)
-        self.lengths[slot] = past
-
-    def _run(self, slots: Sequence[int], padded: PaddedBatch) -> np.ndarray:
-        """Run prefill (or decode when every sequence brings one token); returns the logits."""
-        used = int((padded.past_lens + padded.input_lens).max())
-        if used > self.max_context:
-            raise GenerationError(f"step needs {used} cache positions; the executor holds {self.max_context}")
-        if max(slots) >= self.max_batch or len(set(slots)) != len(slots):
-            raise GenerationError(f"slots {list(slots)}: expected distinct slots below {self.max_batch}")
-        for slot, past in zip(slots, padded.past_lens.tolist(), strict=True):
-            self._sync(slot, past)
-        real, back = ragged_rows(padded.input_lens)
+    def _run(self, batch: StepBatch) -> np.ndarray:
+        """Run the step function on the packed batch; returns the program's logits."""
+        packed = pack_batch(batch)
         values = {
-            "input_ids": padded.input_ids,
-            "position_ids": padded.position_ids,
-            "past_lens": padded.past_lens,
-            "input_lens": padded.input_lens,
-            "ragged_rows": real,
-            "padded_rows": back,
+            INPUT_IDS: packed.input_ids,
+            POSITION_IDS: packed.position_ids,
+            PAST_LENS: packed.past_lens,
+            INPUT_LENS: packed.input_lens,
+            BLOCK_TABLES: packed.block_tables,
         }
         args = [
-            self.cache if name == "paged_kv_cache" else tvm.runtime.tensor(values[name], self.device)
+            self.pools[name] if name in self.pools else tvm.runtime.tensor(values[name], self.device)
             for name in self.inputs
         ]
-        _builtin("kv_state_begin_forward")(self.cache, ShapeTuple(list(slots)), ShapeTuple(padded.input_lens.tolist()))
-        function = "decode" if padded.input_ids.shape[1] == 1 else "prefill"
-        logits = self.vm[function](*args, *self.params)
-        _builtin("kv_state_end_forward")(self.cache)
-        for slot, total in zip(slots, (padded.past_lens + padded.input_lens).tolist(), strict=True):
-            self.lengths[slot] = total
-        return logits.numpy()
+        return self._step(*args, *self.params).numpy()

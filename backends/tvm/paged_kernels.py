@@ -1,0 +1,358 @@
+"""Paged attention over a block pool the caller owns: TIR kernels and the Relax calls that emit them.
+
+The runtime's block table is the single source of truth (no TVM PagedKVCache object). Per layer, `k_pool` and
+`v_pool` are `[num_blocks, block_size, kv_heads, head_dim]`; a step packs S sequences' new tokens into N rows,
+`query_start [S + 1]` says which rows are whose, `past_lens [S]` how many tokens each already has, and
+`block_tables [S, max_blocks]` where position p of sequence s lives: block `block_tables[s, p // block_size]`,
+offset `p % block_size`. N, S, max_blocks and num_blocks are symbolic; table entries past a sequence's last
+block are never read. Every loop is bounded by the row's own sequence (causal, optionally a sliding window),
+never by the pool, and softmax is online in float32 whatever the dtype.
+
+In-place pools: the append (and the block copy) are `relax.call_tir_inplace` on the pool parameters of the
+Relax function, so the VM writes into the caller's tensors; TVM 0.27's pipeline (LegalizeOps, FuseOps/FuseTIR,
+DLight, memory planning) leaves such calls as they are. The attention reads the in-place call's outputs, which
+both orders it after the append and keeps the append alive through dead-code elimination; `emit_copy_blocks`'s
+result must likewise be used (e.g. returned). The pools must be passed as `tvm.runtime.Tensor`s on the VM's
+device (a numpy array would be converted to a fresh tensor, and the update lost).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import relax, tirx
+from tvm.script import tirx as T
+from tvm.target import Target
+
+NEG = -1e30  # a finite minus infinity: exp(NEG - m) is 0 and NEG - NEG is no NaN
+LANES = 8  # float32 partial sums per dot product on CPU (one AVX2 register)
+CUDA_THREADS = 64  # threads per CUDA thread block (and positions per attention tile)
+# scheduled already (DLight skips them) and opaque to FuseOps (op_pattern kOpaque), which would otherwise take
+# the block copy for an elementwise op
+ATTRS = {"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8}
+
+
+def _is_cuda(target_kind: str) -> bool:
+    """Whether the kernels bind CUDA threads (`cuda`) or run parallel CPU loops (`llvm`)."""
+    if target_kind not in ("llvm", "cuda"):
+        raise ValueError(f"paged kernels are written for llvm and cuda, not {target_kind!r}")
+    return target_kind == "cuda"
+
+
+@T.macro
+def _sequence_of(seq: T.Buffer, query_start: T.Buffer, num_seqs: T.int32, row: T.int32) -> None:
+    """seq[0] = the sequence owning `row`: the last s with query_start[s] <= row (sequences without new rows
+    share their start with the next one, which then wins)."""
+    seq[0] = 0
+    for s in T.serial(num_seqs):
+        if query_start[s] <= row:
+            seq[0] = s
+
+
+def append_kernel(kv_heads: int, head_dim: int, block_size: int, dtype: str, target_kind: str) -> tirx.PrimFunc:
+    """k/v of every row written into the pools at the row's position, in place (pools are the first two
+    arguments): one task per row."""
+    row_elems = kv_heads * head_dim
+
+    @T.prim_func(s_tir=True, private=True)
+    def paged_append(
+        k_pool_h: T.handle,
+        v_pool_h: T.handle,
+        k_h: T.handle,
+        v_h: T.handle,
+        tables_h: T.handle,
+        past_h: T.handle,
+        starts_h: T.handle,
+    ):
+        T.func_attr(ATTRS)
+        n, num_seqs, max_blocks, num_blocks = T.int32(), T.int32(), T.int32(), T.int64()
+        k_pool = T.match_buffer(k_pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
+        v_pool = T.match_buffer(v_pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
+        k = T.match_buffer(k_h, (n, kv_heads, head_dim), dtype)
+        v = T.match_buffer(v_h, (n, kv_heads, head_dim), dtype)
+        block_tables = T.match_buffer(tables_h, (num_seqs, max_blocks), "int32")
+        past_lens = T.match_buffer(past_h, (num_seqs,), "int32")
+        query_start = T.match_buffer(starts_h, (num_seqs + 1,), "int32")
+        if _is_cuda(target_kind):
+            for row in T.thread_binding(n, thread="blockIdx.x"):
+                for tx in T.thread_binding(CUDA_THREADS, thread="threadIdx.x"):
+                    with T.sblock("append"):
+                        T.reads()
+                        T.writes()
+                        seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        _sequence_of(seq, query_start, num_seqs, row)
+                        pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
+                        block: T.let[T.int32] = block_tables[seq[0], pos // block_size]
+                        for i in T.serial(T.ceildiv(row_elems, CUDA_THREADS)):
+                            e: T.let[T.int32] = i * CUDA_THREADS + tx
+                            if e < row_elems:
+                                h: T.let[T.int32] = e // head_dim
+                                d: T.let[T.int32] = e % head_dim
+                                k_pool[block, pos % block_size, h, d] = k[row, h, d]
+                                v_pool[block, pos % block_size, h, d] = v[row, h, d]
+        else:
+            for row in T.parallel(n):
+                with T.sblock("append"):
+                    T.reads()
+                    T.writes()
+                    seq = T.sblock_alloc_buffer((1,), "int32")
+                    _sequence_of(seq, query_start, num_seqs, row)
+                    pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
+                    block: T.let[T.int32] = block_tables[seq[0], pos // block_size]
+                    for h in T.serial(kv_heads):
+                        for d in T.vectorized(head_dim):
+                            k_pool[block, pos % block_size, h, d] = k[row, h, d]
+                            v_pool[block, pos % block_size, h, d] = v[row, h, d]
+
+    return paged_append
+
+
+def attention_kernel(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: str,
+    scale: float,
+    window: int,
+    target_kind: str,
+) -> tirx.PrimFunc:
+    """out[row, h] = softmax(scale * q·K) · V over the row's own positions lo..pos (lo = pos - window + 1 with a
+    sliding window, else 0). CPU: one task per (row, kv head), each pass over a key serving its query heads;
+    CUDA: one thread block per (row, head), CUDA_THREADS positions per tile."""
+    group = heads // kv_heads
+    lanes = math.gcd(head_dim, LANES)
+    dims_per_thread = -(-head_dim // CUDA_THREADS)
+
+    @T.prim_func(s_tir=True, private=True)
+    def paged_attention(
+        q_h: T.handle,
+        k_pool_h: T.handle,
+        v_pool_h: T.handle,
+        tables_h: T.handle,
+        past_h: T.handle,
+        starts_h: T.handle,
+        out_h: T.handle,
+    ):
+        T.func_attr(ATTRS)
+        n, num_seqs, max_blocks, num_blocks = T.int32(), T.int32(), T.int32(), T.int64()
+        q = T.match_buffer(q_h, (n, heads, head_dim), dtype)
+        k_pool = T.match_buffer(k_pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
+        v_pool = T.match_buffer(v_pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
+        block_tables = T.match_buffer(tables_h, (num_seqs, max_blocks), "int32")
+        past_lens = T.match_buffer(past_h, (num_seqs,), "int32")
+        query_start = T.match_buffer(starts_h, (num_seqs + 1,), "int32")
+        out = T.match_buffer(out_h, (n, heads, head_dim), dtype)
+        if _is_cuda(target_kind):
+            for task in T.thread_binding(n * heads, thread="blockIdx.x"):
+                for tx in T.thread_binding(CUDA_THREADS, thread="threadIdx.x"):
+                    with T.sblock("attention"):
+                        T.reads()
+                        T.writes()
+                        q_s = T.sblock_alloc_buffer((head_dim,), "float32", scope="shared")
+                        score = T.sblock_alloc_buffer((CUDA_THREADS,), "float32", scope="shared")
+                        block_of = T.sblock_alloc_buffer((CUDA_THREADS,), "int32", scope="shared")
+                        seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        acc = T.sblock_alloc_buffer((dims_per_thread,), "float32", scope="local")
+                        dot = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        m = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        m_new = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        alpha = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        row: T.let[T.int32] = task // heads
+                        h: T.let[T.int32] = task % heads
+                        _sequence_of(seq, query_start, num_seqs, row)
+                        pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
+                        lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
+                        m[0] = NEG
+                        total[0] = 0.0
+                        for i in T.serial(dims_per_thread):
+                            acc[i] = 0.0
+                            if i * CUDA_THREADS + tx < head_dim:
+                                q_s[i * CUDA_THREADS + tx] = T.Cast("float32", q[row, h, i * CUDA_THREADS + tx]) * scale
+                        T.tvm_storage_sync("shared")
+                        for tile in T.serial(T.ceildiv(pos - lo + 1, CUDA_THREADS)):
+                            j: T.let[T.int32] = lo + tile * CUDA_THREADS + tx
+                            dot[0] = NEG
+                            if j <= pos:
+                                block_of[tx] = block_tables[seq[0], j // block_size]
+                                dot[0] = 0.0
+                                for d in T.serial(head_dim):
+                                    dot[0] += q_s[d] * T.Cast(
+                                        "float32", k_pool[block_of[tx], j % block_size, h // group, d]
+                                    )
+                            score[tx] = dot[0]
+                            T.tvm_storage_sync("shared")
+                            m_new[0] = m[0]
+                            for t in T.serial(CUDA_THREADS):
+                                m_new[0] = T.max(m_new[0], score[t])
+                            T.tvm_storage_sync("shared")
+                            score[tx] = T.exp(dot[0] - m_new[0])
+                            T.tvm_storage_sync("shared")
+                            alpha[0] = T.exp(m[0] - m_new[0])
+                            total[0] *= alpha[0]
+                            for i in T.serial(dims_per_thread):
+                                acc[i] *= alpha[0]
+                            m[0] = m_new[0]
+                            for t in T.serial(T.min(CUDA_THREADS, pos - lo + 1 - tile * CUDA_THREADS)):
+                                total[0] += score[t]
+                                for i in T.serial(dims_per_thread):
+                                    if i * CUDA_THREADS + tx < head_dim:
+                                        acc[i] += score[t] * T.Cast(
+                                            "float32",
+                                            v_pool[
+                                                block_of[t],
+                                                (lo + tile * CUDA_THREADS + t) % block_size,
+                                                h // group,
+                                                i * CUDA_THREADS + tx,
+                                            ],
+                                        )
+                            T.tvm_storage_sync("shared")
+                        for i in T.serial(dims_per_thread):
+                            if i * CUDA_THREADS + tx < head_dim:
+                                out[row, h, i * CUDA_THREADS + tx] = T.Cast(dtype, acc[i] / total[0])
+        else:
+            for task in T.parallel(n * kv_heads):
+                with T.sblock("attention"):
+                    T.reads()
+                    T.writes()
+                    seq = T.sblock_alloc_buffer((1,), "int32")
+                    q_s = T.sblock_alloc_buffer((group, head_dim), "float32")
+                    acc = T.sblock_alloc_buffer((group, head_dim), "float32")
+                    score = T.sblock_alloc_buffer((group, block_size), "float32")
+                    m = T.sblock_alloc_buffer((group,), "float32")
+                    m_new = T.sblock_alloc_buffer((group,), "float32")
+                    alpha = T.sblock_alloc_buffer((group,), "float32")
+                    part = T.sblock_alloc_buffer((group, lanes), "float32")
+                    total = T.sblock_alloc_buffer((group,), "float32")
+                    row: T.let[T.int32] = task // kv_heads
+                    kvh: T.let[T.int32] = task % kv_heads
+                    _sequence_of(seq, query_start, num_seqs, row)
+                    pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
+                    lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
+                    for g in T.serial(group):
+                        m[g] = NEG
+                        total[g] = 0.0
+                        for d in T.vectorized(head_dim):
+                            q_s[g, d] = T.Cast("float32", q[row, kvh * group + g, d]) * scale
+                            acc[g, d] = 0.0
+                    for b in T.serial(lo // block_size, pos // block_size + 1):
+                        block: T.let[T.int32] = block_tables[seq[0], b]
+                        for t in T.serial(block_size):
+                            for g in T.serial(group):
+                                score[g, t] = NEG
+                            if lo <= b * block_size + t and b * block_size + t <= pos:
+                                for g, lane in T.grid(group, lanes):
+                                    part[g, lane] = 0.0
+                                for c in T.serial(head_dim // lanes):
+                                    for g in T.serial(group):
+                                        for lane in T.vectorized(lanes):
+                                            part[g, lane] += q_s[g, c * lanes + lane] * T.Cast(
+                                                "float32", k_pool[block, t, kvh, c * lanes + lane]
+                                            )
+                                for g in T.serial(group):
+                                    score[g, t] = 0.0
+                                    for lane in T.serial(lanes):
+                                        score[g, t] += part[g, lane]
+                        for g in T.serial(group):
+                            m_new[g] = m[g]
+                            for t in T.serial(block_size):
+                                m_new[g] = T.max(m_new[g], score[g, t])
+                            alpha[g] = T.exp(m[g] - m_new[g])
+                            total[g] *= alpha[g]
+                            for d in T.vectorized(head_dim):
+                                acc[g, d] *= alpha[g]
+                            m[g] = m_new[g]
+                            for t in T.serial(block_size):
+                                score[g, t] = T.exp(score[g, t] - m[g])
+                                total[g] += score[g, t]
+                        for t in T.serial(block_size):
+                            if lo <= b * block_size + t and b * block_size + t <= pos:
+                                for g in T.serial(group):
+                                    for d in T.vectorized(head_dim):
+                                        acc[g, d] += score[g, t] * T.Cast("float32", v_pool[block, t, kvh, d])
+                    for g in T.serial(group):
+                        for d in T.vectorized(head_dim):
+                            out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / total[g])
+
+    return paged_attention
+
+
+def copy_blocks_kernel(kv_heads: int, head_dim: int, block_size: int, dtype: str, target_kind: str) -> tirx.PrimFunc:
+    """pool[dst[i]] = pool[src[i]] for every i, in place (the pool is the first argument), for copy-on-write;
+    the copies run in parallel, so no dst may be another copy's src."""
+    block_elems = block_size * kv_heads * head_dim
+
+    @T.prim_func(s_tir=True, private=True)
+    def copy_blocks(pool_h: T.handle, src_h: T.handle, dst_h: T.handle):
+        T.func_attr(ATTRS)
+        num_blocks, count = T.int64(), T.int32()
+        pool = T.match_buffer(pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
+        src = T.match_buffer(src_h, (count,), "int32")
+        dst = T.match_buffer(dst_h, (count,), "int32")
+        if _is_cuda(target_kind):
+            for i in T.thread_binding(count, thread="blockIdx.x"):
+                for tx in T.thread_binding(CUDA_THREADS, thread="threadIdx.x"):
+                    for c in T.serial(T.ceildiv(block_elems, CUDA_THREADS)):
+                        e: T.let[T.int32] = c * CUDA_THREADS + tx
+                        if e < block_elems:
+                            o: T.let[T.int32] = e // (kv_heads * head_dim)
+                            h: T.let[T.int32] = e // head_dim % kv_heads
+                            pool[dst[i], o, h, e % head_dim] = pool[src[i], o, h, e % head_dim]
+        else:
+            for i in T.parallel(count):
+                for o, h in T.grid(block_size, kv_heads):
+                    for d in T.vectorized(head_dim):
+                        pool[dst[i], o, h, d] = pool[src[i], o, h, d]
+
+    return copy_blocks
+
+
+def emit_paged_attention(
+    bb: relax.BlockBuilder,
+    q: relax.Expr,
+    k: relax.Expr,
+    v: relax.Expr,
+    k_pool: relax.Expr,
+    v_pool: relax.Expr,
+    block_tables: relax.Expr,
+    past_lens: relax.Expr,
+    query_start: relax.Expr,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    scale: float,
+    window: int,
+    target: Target,
+) -> relax.Var:
+    """Append k/v into the pools in place, then attend over the updated pools: out [N, heads, head_dim].
+    The attention reads the append's outputs, which orders the two and keeps the append alive."""
+    dtype, kind = q.ty.dtype, target.kind.name
+    append = bb.add_func(append_kernel(kv_heads, head_dim, block_size, dtype, kind), "paged_append")
+    pools = bb.emit(
+        relax.call_tir_inplace(
+            append, [k_pool, v_pool, k, v, block_tables, past_lens, query_start], [0, 1], [k_pool.ty, v_pool.ty]
+        )
+    )
+    attention = attention_kernel(heads, kv_heads, head_dim, block_size, dtype, scale, window, kind)
+    updated = [bb.emit(relax.TupleGetItem(pools, i)) for i in range(2)]
+    return bb.emit(
+        relax.call_tir(
+            bb.add_func(attention, "paged_attention"),
+            [q, *updated, block_tables, past_lens, query_start],
+            relax.TensorType(q.ty.shape, dtype),
+        )
+    )
+
+
+def emit_copy_blocks(
+    bb: relax.BlockBuilder, pool: relax.Expr, src: relax.Expr, dst: relax.Expr, target: Target
+) -> relax.Var:
+    """pool[dst[i]] = pool[src[i]] in place; the result (the pool) must be used, e.g. returned, or dead-code
+    elimination drops the copy."""
+    ty = pool.ty
+    block_size, kv_heads, head_dim = (int(ty.shape[i]) for i in (1, 2, 3))
+    kernel = copy_blocks_kernel(kv_heads, head_dim, block_size, ty.dtype, target.kind.name)
+    return bb.emit(relax.call_tir_inplace(bb.add_func(kernel, "copy_blocks"), [pool, src, dst], [0], ty))

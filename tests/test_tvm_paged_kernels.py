@@ -1,0 +1,149 @@
+"""Paged attention over a caller-owned block pool (backends/tvm/paged_kernels.py), built by the project's Relax
+pipeline and run on the Relax VM (llvm, float32) against numpy: two steps over scattered blocks with a shared
+prefix, appends written in place into the caller's pools, block copies; the cuda build (fp16) compiles."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, tirx
+
+from llmlower.backends.tvm.compile import compile_module, cuda_binary, tvm_target
+from llmlower.backends.tvm.paged_kernels import emit_copy_blocks, emit_paged_attention
+
+HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 16, 4, 24, 5
+# past lengths and new tokens of the 4 sequences in the first step (prefill from nothing, decode, prefill after a
+# shared prefix: sequence 2 forked sequence 1 at 8 tokens and shares its first two blocks, decode), and the new
+# tokens of the second step (sequence 1 has none)
+PAST, NEW, NEXT = [0, 9, 8, 13], [5, 1, 3, 1], [1, 0, 2, 1]
+
+
+@dataclass
+class Step:
+    """One step's inputs: packed rows, the sequences' lengths and block tables."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    tables: np.ndarray
+    past: np.ndarray
+    starts: np.ndarray
+
+
+def _module(target: tvm.target.Target, heads: int, kv_heads: int, window: int) -> tvm.IRModule:
+    """`attend(q, k, v, k_pool, v_pool, tables, past, starts)` -> attention output reshaped to [N, heads * D]
+    (an op LegalizeOps/FuseOps see next to ours), and `copy(k_pool, v_pool, src, dst)` -> both pools."""
+    dtype = "float32" if target.kind.name == "llvm" else "float16"
+    n, s, s1, nb, mb, c = (tirx.Var(name, "int64") for name in ("n", "s", "s1", "nb", "mb", "c"))
+
+    def pools() -> list[relax.Var]:
+        return [relax.Var(name, relax.TensorType([nb, BLOCK_SIZE, kv_heads, HEAD_DIM], dtype)) for name in "kv"]
+
+    rows = [
+        relax.Var(name, relax.TensorType([n, h, HEAD_DIM], dtype))
+        for name, h in zip("qkv", (heads, kv_heads, kv_heads), strict=True)
+    ]
+    tables = [
+        relax.Var(name, relax.TensorType(shape, "int32"))
+        for name, shape in (("tables", [s, mb]), ("past", [s]), ("starts", [s1]))
+    ]
+    k_pool, v_pool = pools()
+    bb = relax.BlockBuilder()
+    with bb.function("attend", [*rows, k_pool, v_pool, *tables]):
+        with bb.dataflow():
+            out = emit_paged_attention(
+                bb, *rows, k_pool, v_pool, *tables, heads=heads, kv_heads=kv_heads, head_dim=HEAD_DIM,
+                block_size=BLOCK_SIZE, scale=HEAD_DIM**-0.5, window=window, target=target,
+            )  # fmt: skip
+            out = bb.emit_output(relax.op.reshape(out, [n, heads * HEAD_DIM]))
+        bb.emit_func_output(out)
+    k_pool, v_pool = pools()
+    src, dst = (relax.Var(name, relax.TensorType([c], "int32")) for name in ("src", "dst"))
+    with bb.function("copy", [k_pool, v_pool, src, dst]):
+        with bb.dataflow():
+            copies = bb.emit_output(relax.Tuple([emit_copy_blocks(bb, p, src, dst, target) for p in (k_pool, v_pool)]))
+        bb.emit_func_output(copies)
+    return bb.get()
+
+
+def _tables(rng: np.random.Generator) -> np.ndarray:
+    """Scattered block ids (a permutation of the pool), -1 past each sequence's blocks; sequence 2 shares
+    sequence 1's first two blocks (positions 0..7), which no sequence writes."""
+    ids = iter(rng.permutation(NUM_BLOCKS))
+    tables = np.full((len(PAST), MAX_BLOCKS), -1, "int32")
+    for seq, length in enumerate(np.add(PAST, NEW) + NEXT):
+        for b in range(-(-length // BLOCK_SIZE)):
+            tables[seq, b] = tables[1, b] if seq == 2 and b < 2 else next(ids)
+    return tables
+
+
+def _step(rng: np.random.Generator, tables: np.ndarray, past: list[int], new: list[int], heads: int, kv: int) -> Step:
+    """Random rows for sequences with `past` tokens and `new` tokens each."""
+    n = sum(new)
+    q, k, v = (rng.standard_normal((n, h, HEAD_DIM)).astype("float32") for h in (heads, kv, kv))
+    return Step(q, k, v, tables, np.array(past, "int32"), np.cumsum([0, *new]).astype("int32"))
+
+
+def _reference(step: Step, k_pool: np.ndarray, v_pool: np.ndarray, window: int) -> np.ndarray:
+    """Append into the pools (in place) and attend in float64 over each row's causal (windowed) positions."""
+    heads, group = step.q.shape[1], step.q.shape[1] // k_pool.shape[2]
+    out = np.zeros_like(step.q)
+    for seq, past in enumerate(step.past):
+        for row in range(step.starts[seq], step.starts[seq + 1]):
+            pos = past + row - step.starts[seq]
+            block = step.tables[seq, pos // BLOCK_SIZE]
+            k_pool[block, pos % BLOCK_SIZE], v_pool[block, pos % BLOCK_SIZE] = step.k[row], step.v[row]
+    for seq, past in enumerate(step.past):
+        for row in range(step.starts[seq], step.starts[seq + 1]):
+            pos = past + row - step.starts[seq]
+            j = np.arange(max(pos - window + 1, 0) if window > 0 else 0, pos + 1)
+            blocks, offsets = step.tables[seq, j // BLOCK_SIZE], j % BLOCK_SIZE
+            keys, values = k_pool[blocks, offsets].astype("float64"), v_pool[blocks, offsets].astype("float64")
+            for h in range(heads):
+                scores = keys[:, h // group] @ step.q[row, h] * HEAD_DIM**-0.5
+                weights = np.exp(scores - scores.max())
+                out[row, h] = weights / weights.sum() @ values[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(6, 2, 0), (6, 2, 5), (4, 4, 0)])
+def test_attention_appends_in_place_and_matches_numpy(heads: int, kv_heads: int, window: int) -> None:
+    target = tvm_target("cpu")
+    vm = relax.VirtualMachine(compile_module(_module(target, heads, kv_heads, window), target), tvm.cpu())
+    rng = np.random.default_rng(window + heads)
+    tables = _tables(rng)
+    k_pool, v_pool = (rng.standard_normal((NUM_BLOCKS, BLOCK_SIZE, kv_heads, HEAD_DIM)).astype("float32") for _ in "kv")
+    pools = [tvm.runtime.tensor(pool) for pool in (k_pool, v_pool)]
+    # a mixed prefill/decode step, then a step reading what the first appended
+    for past, new in ((PAST, NEW), (list(np.add(PAST, NEW)), NEXT)):
+        step = _step(rng, tables, past, new, heads, kv_heads)
+        expected = _reference(step, k_pool, v_pool, window)
+        args = [step.q, step.k, step.v, *pools, step.tables, step.past, step.starts]
+        out = vm["attend"](*(a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(a) for a in args))
+        assert np.abs(out.numpy().reshape(expected.shape) - expected).max() <= 1e-5
+        assert np.array_equal(pools[0].numpy(), k_pool) and np.array_equal(pools[1].numpy(), v_pool)
+
+
+def test_copy_blocks_in_place() -> None:
+    target = tvm_target("cpu")
+    vm = relax.VirtualMachine(compile_module(_module(target, 6, 2, 0), target), tvm.cpu())
+    rng = np.random.default_rng(1)
+    pools = [rng.standard_normal((NUM_BLOCKS, BLOCK_SIZE, 2, HEAD_DIM)).astype("float32") for _ in "kv"]
+    tensors = [tvm.runtime.tensor(pool) for pool in pools]
+    src, dst = np.array([3, 17, 0], "int32"), np.array([9, 2, 21], "int32")
+    vm["copy"](*tensors, tvm.runtime.tensor(src), tvm.runtime.tensor(dst))
+    for pool, tensor in zip(pools, tensors, strict=True):
+        pool[dst] = pool[src]
+        assert np.array_equal(tensor.numpy(), pool)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_cuda_build() -> None:
+    target = tvm_target("cuda", "sm_80")
+    source, fatbin = cuda_binary(compile_module(_module(target, 6, 2, 5), target), target)
+    assert all(f"{name}_kernel" in source for name in ("paged_append", "paged_attention", "copy_blocks"))
+    assert fatbin
