@@ -50,7 +50,7 @@ BACKENDS: dict[str, Backend] = {
     "onnx": Backend(
         name="onnx",
         layouts={"cpu": KVLayout.SLOTS, "cuda": KVLayout.PAGED},
-        executors={KVLayout.SLOTS: "onnx:OnnxSlotExecutor", KVLayout.PAGED: "onnx:OnnxPagedExecutor"},
+        executors={KVLayout.SLOTS: "onnx:OnnxSlotExecutor", KVLayout.PAGED: "onnx_paged:OnnxPagedExecutor"},
         compiler="llmlower.backends.onnx.artifact:build",
         program_executor="llmlower.backends.onnx.executor:program_executor",
         summary="ONNX Runtime: GroupQueryAttention over per-sequence buffers on CPU, PagedAttention on CUDA",

@@ -11,9 +11,10 @@ import onnx
 import torch
 
 from ...errors import LlmlowerError
-from ...ir import OPS
+from ...ir import OPS, PAGED_ATTENTION, PAGED_QKV_ATTENTION
 from ...ir.program import Program
 from .lowerings import translations
+from .paged_lowerings import PAGED_DTYPES
 
 PRESENT = "present_"
 MAX_IR_VERSION = 10  # what the onnxruntime builds we support load (they accept up to 13 at most)
@@ -23,13 +24,30 @@ class LoweringError(LlmlowerError):
     """A node of the program has no ONNX lowering."""
 
 
+PAGED_OPS = (PAGED_ATTENTION.overload, PAGED_QKV_ATTENTION.overload)
+
+
+def _activation_dtype(node: torch.fx.Node, program: Program) -> str:
+    """The dtype of a node's first argument (its activations), the program's dtype when not recorded."""
+    value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else program.spec.dtype
+
+
 def check_lowerable(program: Program) -> None:
-    """Fail before exporting when an op of the set has no ONNX lowering, naming the node."""
+    """Fail before exporting when an op of the set has no ONNX lowering, or a paged attention runs in a type
+    ONNX Runtime's PagedAttention lacks, naming the node."""
     ours = {opdef.overload for opdef in OPS.values()}
     lowered = translations()
     for node in program.graph_module.graph.nodes:
-        if node.op == "call_function" and node.target in ours and node.target not in lowered:
+        if node.op != "call_function" or node.target not in ours:
+            continue
+        if node.target not in lowered:
             raise LoweringError(f"the ONNX backend cannot lower node {node.name} (op {node.target})")
+        if node.target in PAGED_OPS and (dtype := _activation_dtype(node, program)) not in PAGED_DTYPES:
+            raise LoweringError(
+                f"the ONNX backend cannot lower node {node.name} (op {node.target}) in {dtype}: ONNX Runtime's "
+                f"PagedAttention (CUDA) needs float16 or bfloat16; compile for --target cuda with --dtype float16"
+            )
 
 
 def output_name(name: str, input_names: list[str]) -> str:

@@ -9,7 +9,18 @@ from __future__ import annotations
 import onnxscript
 from onnxscript import opset18 as op
 
-from ...ir import ADD_RMS_NORM, ATTENTION, QKV_ATTENTION, QLINEAR, RMS_NORM, ROPE, SILU_MUL
+from ...ir import (
+    ADD_RMS_NORM,
+    ATTENTION,
+    PAGED_ATTENTION,
+    PAGED_QKV_ATTENTION,
+    QKV_ATTENTION,
+    QLINEAR,
+    RMS_NORM,
+    ROPE,
+    SILU_MUL,
+)
+from . import paged_lowerings
 from .schemas import ensure_schema
 
 MSFT = onnxscript.values.Opset("com.microsoft", 1)
@@ -158,6 +169,8 @@ def translations(accuracy_level: int = 4) -> dict:
     return {
         ATTENTION.overload: attention,
         QKV_ATTENTION.overload: qkv_attention,
+        PAGED_ATTENTION.overload: paged_lowerings.paged_attention,
+        PAGED_QKV_ATTENTION.overload: paged_lowerings.paged_qkv_attention,
         RMS_NORM.overload: rms_norm,
         ADD_RMS_NORM.overload: add_rms_norm,
         ROPE.overload: rope,
