@@ -21,13 +21,13 @@ if [ ! -f "$DIR/cpu/manifest.json" ]; then
 fi
 PYTHONUNBUFFERED=1 $PY - "$DIR" <<'PYEOF'
 import statistics, sys, time
-from llmlower.runtime import Engine, SamplingParams, StepBatch
+from llmlower.runtime import Engine, SamplingParams, StepBatch, sequential_block_tables
 
 directory = sys.argv[1]
 prompts = ["What is the capital of France?", "Write a haiku about compilers.", "List three prime numbers."]
 greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-cuda = Engine.load(f"{directory}/cuda", max_batch=16, max_context=256)
-cpu = Engine.load(f"{directory}/cpu", max_batch=3, max_context=256)
+cuda = Engine.load(f"{directory}/cuda", max_num_seqs=16, max_context=256)
+cpu = Engine.load(f"{directory}/cpu", max_num_seqs=3, max_context=256)
 failed = False
 for prompt, on_gpu, on_cpu in zip(prompts, cuda.generate(prompts, greedy), cpu.generate(prompts, greedy)):
     agree = next((i for i, (a, b) in enumerate(zip(on_gpu.token_ids, on_cpu.token_ids)) if a != b), 32)
@@ -37,11 +37,11 @@ executor = cuda.executor
 for batch in (1, 16):
     speeds = []
     for _ in range(3):
-        slots = list(range(batch))
-        executor.step(StepBatch(slots, [list(range(100, 164))] * batch, [0] * batch))
+        tables = sequential_block_tables(executor, [64 + 128] * batch)
+        executor.step(StepBatch([list(range(100, 164))] * batch, [0] * batch, tables))
         started = time.perf_counter()
         for step in range(128):
-            executor.step(StepBatch(slots, [[5]] * batch, [64 + step] * batch))
+            executor.step(StepBatch([[5]] * batch, [64 + step] * batch, tables))
         speeds.append(batch * 128 / (time.perf_counter() - started))
     print(f"decode batch {batch}: {statistics.median(speeds):.1f} tokens/s ({statistics.median(speeds) / batch:.1f} per sequence)")
 sys.exit(1 if failed else 0)

@@ -36,7 +36,7 @@ def main() -> None:
 
     files = loaded.tokenizer
     engine = Engine(
-        TorchExecutor(program, max_batch=1, max_context=512),
+        TorchExecutor(program, max_context=512),
         Tokenizer(files.tokenizer_json, files.config, files.chat_template),
         spec,
     )
