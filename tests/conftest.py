@@ -153,3 +153,26 @@ def cuda_elf_arches(fatbin: bytes) -> set[int]:
 def elf_arches():
     """cuda_elf_arches, for tests that check a fatbin's GPU architectures."""
     return cuda_elf_arches
+
+
+def serve_arrivals(engine, prompts: list, arrivals: list[int], params) -> list:
+    """Add prompt i to `engine` when step arrivals[i] is reached and step until every request is done; returns
+    the GenerationResults in prompt order (requests arriving while others run: continuous batching)."""
+    order = sorted(range(len(prompts)), key=arrivals.__getitem__)
+    ids: dict[str, int] = {}
+    results: dict[int, object] = {}
+    step = 0
+    while order or engine.has_unfinished():
+        while order and arrivals[order[0]] <= step:
+            index = order.pop(0)
+            ids[engine.add_request(prompts[index], params)] = index
+        for delta in engine.step():
+            if delta.result is not None:
+                results[ids[delta.request_id]] = delta.result
+        step += 1
+    return [results[i] for i in range(len(prompts))]
+
+
+@pytest.fixture()
+def serve():
+    return serve_arrivals

@@ -31,23 +31,6 @@ def _prompts(vocab: int, lengths: list[int] = PROMPT_LENGTHS, seed: int = 0) -> 
     return [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def serve(engine: Engine, prompts: list[list[int]], arrivals: list[int], params: SamplingParams = GREEDY) -> list:
-    """Add prompt i when step arrivals[i] is reached, step until every request is done; results in order."""
-    order = sorted(range(len(prompts)), key=arrivals.__getitem__)
-    ids: dict[str, int] = {}
-    results: dict[int, object] = {}
-    step = 0
-    while order or engine.has_unfinished():
-        while order and arrivals[order[0]] <= step:
-            index = order.pop(0)
-            ids[engine.add_request(prompts[index], params)] = index
-        for delta in engine.step():
-            if delta.result is not None:
-                results[ids[delta.request_id]] = delta.result
-        step += 1
-    return [results[i] for i in range(len(prompts))]
-
-
 def _assert_all_blocks_free(engine: Engine) -> None:
     stats = engine.stats()
     assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
@@ -84,12 +67,12 @@ def alone(tiny_llama) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnx", "tvm"])
-def test_arrivals_under_a_small_pool_give_the_tokens_of_each_request_alone(backend, tiny_llama, artifacts, alone):
+def test_arrivals_under_a_small_pool_give_each_request_its_tokens_alone(backend, tiny_llama, artifacts, alone, serve):
     """A pool of 160 positions (paged, blocks of 4) or 3 slots (ONNX's per-sequence caches), 16 tokens per
     step: prompts longer than that are prefilled in chunks beside the decodes; paged pools preempt."""
     blocks = 3 * CONTEXT // BLOCK if backend == "onnx" else 160 // PAGED_BLOCK
     engine = _engine(backend, tiny_llama, artifacts, num_blocks=blocks, max_num_batched_tokens=16, max_num_seqs=8)
-    results = serve(engine, _prompts(engine.spec.vocab_size), ARRIVALS)
+    results = serve(engine, _prompts(engine.spec.vocab_size), ARRIVALS, GREEDY)
     assert [r.token_ids for r in results] == alone
     assert max(PROMPT_LENGTHS) > 16  # chunked
     stats = engine.stats()

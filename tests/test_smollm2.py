@@ -89,10 +89,22 @@ def test_perplexity_of_quantized_pipelines(smollm2):
     assert q4_stats["quantized_weight_bytes_after"] <= 0.3 * q4_stats["quantized_weight_bytes_before"]
 
 
+@pytest.fixture(scope="module")
+def fp32_artifacts(smollm2, tmp_path_factory):
+    """SmolLM2 compiled in fp32 for a backend, once per module: fp32_artifacts(backend) -> directory."""
+    root, built = tmp_path_factory.mktemp("smollm2"), {}
+
+    def artifact(backend: str) -> Path:
+        if backend not in built:
+            built[backend] = compile_artifact(smollm2, root / f"smollm2-{backend}-fp32", backend=backend)
+        return built[backend]
+
+    return artifact
+
+
 @pytest.mark.parametrize("backend", ["onnx", "tvm"])
-def test_artifact_greedy_equals_the_torch_reference(backend, smollm2, tmp_path):
-    out = compile_artifact(smollm2, tmp_path / f"smollm2-{backend}-fp32", backend=backend)
-    from_artifact = Engine.load(out, max_num_seqs=3, max_context=256).generate(
+def test_artifact_greedy_equals_the_torch_reference(backend, smollm2, fp32_artifacts):
+    from_artifact = Engine.load(fp32_artifacts(backend), max_num_seqs=3, max_context=256).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=32)
     )
     reference = load_engine(smollm2, max_num_seqs=3, max_context=256).generate(
@@ -100,6 +112,42 @@ def test_artifact_greedy_equals_the_torch_reference(backend, smollm2, tmp_path):
     )
     for prompt, ours, expected in zip(PROMPTS, from_artifact, reference, strict=True):
         assert ours.token_ids == expected.token_ids, prompt
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a prime number larger than ten.",
+    "Why is the sky blue?",
+    "Write a haiku about compilers.",
+    "What does a KV cache store?",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Suggest a name for a cat.",
+    "What is the boiling point of water?",
+    "List three colors of the rainbow.",
+    "Who wrote Romeo and Juliet?",
+    "What is photosynthesis?",
+    "Explain recursion in one sentence.",
+    "What is the largest planet?",
+]
+
+
+def test_sixteen_requests_under_a_small_pool_give_their_tokens_alone(fp32_artifacts, serve):
+    """SmolLM2 on the ONNX CPU artifact: 16 chat requests arriving at different steps, a pool of 4 sequences'
+    caches and 32 tokens per step (every prompt prefilled in chunks beside running decodes): each request's
+    greedy tokens are the ones it gets alone."""
+    artifact = fp32_artifacts("onnx")
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    alone_engine = Engine.load(artifact, max_num_seqs=1, max_context=256)
+    prompts = [alone_engine.prompt_token_ids(question) for question in QUESTIONS]
+    assert min(len(p) for p in prompts) > 32
+    alone = [alone_engine.generate([prompt], greedy)[0].token_ids for prompt in prompts]
+    engine = Engine.load(artifact, max_num_seqs=8, max_context=256, num_blocks=4 * 256 // 16, max_num_batched_tokens=32)
+    results = serve(engine, prompts, [0, 0, 0, 1, 2, 3, 3, 4, 6, 7, 9, 10, 12, 13, 15, 18], greedy)
+    assert [r.token_ids for r in results] == alone
+    assert engine.stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("backend", ["onnx", "tvm"])
