@@ -12,6 +12,7 @@ one sequence at a time: prompt chunks run one per session run.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,14 @@ OPTIMIZATION_LEVELS = {
 }
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_SEQUENCES = 4  # slots when no pool size is given
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """Zeros in anonymous memory that the kernel commits 4 KB page by page as it is written. (numpy's zeros
+    ask for transparent huge pages: writing a sequence's first tokens would commit 2 MB of every cache row, the
+    whole pool for 64 slots of 2,048 positions, where this commits about what the sequences use.)"""
+    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
 
 
 def session_options(threads: int = 0, optimization: str = "all") -> ort.SessionOptions:
@@ -72,7 +81,7 @@ class OnnxSlotExecutor(Executor):
             if cache_layer(spec.name) is not None:
                 _, kv_heads, _, head_dim = spec.shape
                 shape = (slots, kv_heads, per_slot * block_size, head_dim)
-                self.caches[spec.name] = np.zeros(shape, dtype=DTYPES[spec.type])
+                self.caches[spec.name] = lazy_zeros(shape, DTYPES[spec.type])
         self.all_positions = self.session.get_outputs()[0].shape[1] != 1
         self.binding = self.session.io_binding()
         self.binding.bind_output(LOGITS, "cpu")  # bound first: get_outputs()[0]
