@@ -43,8 +43,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
 
 
-def session_options(threads: int = 0, optimization: str = "all") -> ort.SessionOptions:
-    """intra-op threads (0: ONNX Runtime's default, one per physical core) and the graph optimization level."""
+def session_options(threads: int = 0, optimization: str = "all", profile: bool = False) -> ort.SessionOptions:
+    """intra-op threads (0: ONNX Runtime's default, one per physical core), the graph optimization level, and
+    ONNX Runtime's per-operator profiling (a JSON trace; session.end_profiling() names the file)."""
     if optimization not in OPTIMIZATION_LEVELS:
         raise GenerationError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
     if threads < 0:
@@ -52,6 +53,7 @@ def session_options(threads: int = 0, optimization: str = "all") -> ort.SessionO
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
+    options.enable_profiling = profile
     return options
 
 
@@ -66,8 +68,9 @@ class OnnxSlotExecutor(Executor):
         block_size: int = DEFAULT_BLOCK_SIZE,
         threads: int = 0,
         optimization: str = "all",
+        profile: bool = False,
     ) -> None:
-        options = session_options(threads, optimization)
+        options = session_options(threads, optimization, profile)
         self.session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         self.block_size, self.max_context = block_size, max_context
         per_slot = self.blocks_per_slot

@@ -1,0 +1,101 @@
+"""Where the time of a continuous-batching decode step goes: the engine's phases (scheduler and block manager,
+executor, sampler, detokenizer) and, for ONNX Runtime, the step's time per operator type.
+
+N sequences (SmolLM2 chat prompts padded to --context tokens) decode together on an artifact; after a warm-up,
+--steps decode steps are timed with the engine's methods wrapped in timers, and the ONNX session is profiled.
+
+    .venv/bin/python benchmarks/profile_step.py ARTIFACT [--streams 16] [--context 512] [--steps 20] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from llmlower.runtime import Engine, EngineConfig, SamplingParams
+from llmlower.runtime.executors.onnx import OnnxSlotExecutor
+
+FILLER = "The runtime keeps a cache of keys and values so that each new token reads the past once. "
+
+
+def timed(totals: dict[str, float], name: str, function: Callable) -> Callable:
+    """`function` with its wall time added to totals[name] on every call."""
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - started
+
+    return wrapper
+
+
+def operator_times(trace: Path, last_runs: int) -> dict[str, float]:
+    """Milliseconds per operator type in the last `last_runs` session runs of an ONNX Runtime profile."""
+    events = json.loads(trace.read_text())
+    runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"][-last_runs:]
+    start, end = runs[0]["ts"], runs[-1]["ts"] + runs[-1]["dur"]
+    totals: dict[str, float] = collections.defaultdict(float)
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and start <= event["ts"] <= end:
+            totals[event["args"]["op_name"]] += event["dur"] / 1000 / last_runs
+    return dict(totals)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens of each sequence")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    config = EngineConfig(max_num_seqs=args.streams, max_context=args.context + args.steps + 8)
+    engine = Engine.load(args.artifact, config, threads=args.threads)
+    executor = engine.executor
+    if isinstance(executor, OnnxSlotExecutor):  # the same model in a profiled session
+        manifest = json.loads((args.artifact / "manifest.json").read_text())
+        model = str(args.artifact / manifest["entry_points"]["step"]["file"])
+        context, blocks = executor.max_context, executor.num_blocks
+        executor = OnnxSlotExecutor(model, context, blocks, threads=args.threads, profile=True)
+        engine = Engine(executor, engine.tokenizer, engine.spec, config=config)
+    filler = engine.tokenizer.encode(FILLER * (args.context // 8), add_special_tokens=False)
+    prompts = [filler[i : i + args.context] for i in range(args.streams)]
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while engine.stats().running < args.streams or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
+        engine.step()  # prefill every prompt
+    engine.step()  # a warm-up decode
+    totals: dict[str, float] = collections.defaultdict(float)
+    engine.scheduler.schedule = timed(totals, "scheduler + block manager", engine.scheduler.schedule)
+    engine.blocks.commit = timed(totals, "scheduler + block manager", engine.blocks.commit)
+    engine.executor.step = timed(totals, "executor (model step)", engine.executor.step)
+    engine.sampler.sample = timed(totals, "sampler", engine.sampler.sample)
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall = time.perf_counter() - started
+    totals["detokenizer + engine bookkeeping"] = wall - sum(totals.values())
+    print(f"{args.streams} sequences decoding at context ~{args.context}, {args.steps} steps, load {os.getloadavg()}")
+    print(f"step: {wall / args.steps * 1000:.1f} ms, {args.streams * args.steps / wall:.1f} tokens/s")
+    print("| phase | ms per step | share |\n|---|---:|---:|")
+    for name, seconds in sorted(totals.items(), key=lambda item: -item[1]):
+        print(f"| {name} | {seconds / args.steps * 1000:.2f} | {seconds / wall:.0%} |")
+    if isinstance(executor, OnnxSlotExecutor):
+        ops = operator_times(Path(executor.session.end_profiling()), args.steps)
+        total = sum(ops.values())
+        print(f"\nONNX Runtime operators in a decode step ({total:.1f} ms of kernel time)")
+        print("| operator | ms per step | share |\n|---|---:|---:|")
+        for name, ms in sorted(ops.items(), key=lambda item: -item[1])[:8]:
+            print(f"| {name} | {ms:.2f} | {ms / total:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
