@@ -138,3 +138,21 @@ def sequential_block_tables(executor: Executor, totals: Sequence[int]) -> list[l
         list(range(i * per_sequence, i * per_sequence + -(-total // executor.block_size)))
         for i, total in enumerate(totals)
     ]
+
+
+def copy_rounds(pairs: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
+    """(sources, destinations) batches that, run one after another with each batch's copies done at once
+    (gathered, then scattered, or in parallel), make the pairs' copies in order: a batch never reads or writes a
+    block another of its copies writes, nor writes one another reads."""
+    rounds: list[tuple[list[int], list[int]]] = []
+    reads: set[int] = set()
+    writes: set[int] = set()
+    for source, destination in pairs:
+        if not rounds or source in writes or destination in writes or destination in reads:
+            rounds.append(([], []))
+            reads, writes = set(), set()
+        rounds[-1][0].append(source)
+        rounds[-1][1].append(destination)
+        reads.add(source)
+        writes.add(destination)
+    return rounds

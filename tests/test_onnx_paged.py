@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx.reference import ReferenceEvaluator
@@ -27,7 +28,7 @@ from llmlower.errors import GenerationError
 from llmlower.passes import DEFAULT_PIPELINE
 from llmlower.runtime import Engine, StepBatch
 from llmlower.runtime.artifact import read_manifest
-from llmlower.runtime.executor import last_token_logits, pack_batch
+from llmlower.runtime.executor import copy_rounds, last_token_logits, pack_batch
 from llmlower.runtime.executors import onnx_paged
 from llmlower.runtime.executors.onnx_paged import OnnxPagedExecutor
 from llmlower.step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout, pool_names
@@ -108,7 +109,7 @@ def test_graph_has_one_paged_attention_per_layer_on_the_pools(model):
 
 def test_a_float32_paged_program_is_refused_by_name(tiny_llama):
     _, program = compile_program(tiny_llama, DEFAULT_PIPELINE, dtype="float32", kv_layout=KVLayout.PAGED)
-    with pytest.raises(LoweringError, match=r"node paged_qkv_attention\w* .* in float32: .*float16 or bfloat16"):
+    with pytest.raises(LoweringError, match=r"node paged_qkv_attention\w* .* in float32: .*runs float16"):
         to_onnx(program)
 
 
@@ -258,9 +259,9 @@ def test_graph_computes_the_torch_reference_step(model, reference_program):
 # ---------------------------------------------------------------- the executor
 
 
-def _cuda_runs() -> bool:
+def _cuda_runs(artifact: Path) -> bool:
     try:
-        onnx_paged.require_cuda()
+        OnnxPagedExecutor.from_artifact(artifact, read_manifest(artifact), 8, BLOCK, 64, 0)
     except GenerationError:
         return False
     return True
@@ -269,7 +270,7 @@ def _cuda_runs() -> bool:
 def test_without_a_usable_cuda_ep_loading_says_so(artifact):
     """Here onnxruntime-gpu lists the CUDA EP but cannot start it (no GPU) and would fall back to the CPU,
     which has no PagedAttention kernel: the executor and Engine.load name the problem instead."""
-    if _cuda_runs():
+    if _cuda_runs(artifact):
         pytest.skip("onnxruntime starts the CUDA EP here (see test_cuda_executor_matches_the_torch_reference)")
     manifest = read_manifest(artifact)
     message = r"needs the CUDA execution provider; onnxruntime here offers .*CPUExecutionProvider"
@@ -281,45 +282,44 @@ def test_without_a_usable_cuda_ep_loading_says_so(artifact):
         raise onnx_paged.cuda_unavailable(["CPUExecutionProvider"])
 
 
-def test_helper_models_are_valid_onnx():
-    for model in (onnx_paged.copy_blocks_model(3, onnx_paged.FLOAT16), onnx_paged.fill_zeros_model(2, 16)):
-        onnx.checker.check_model(onnx.load_from_string(model), full_check=True)
-
-
-def test_copy_rounds_keep_the_order_of_the_copies():
-    assert onnx_paged.copy_rounds([(1, 2), (3, 4)]) == [([1, 3], [2, 4])]
-    assert onnx_paged.copy_rounds([(1, 2), (2, 5), (3, 6)]) == [([1], [2]), ([2, 3], [5, 6])]
-    assert onnx_paged.copy_rounds([(1, 2), (3, 2)]) == [([1], [2]), ([3], [2])]
-
-
-def test_device_pools_copy_blocks_in_place_on_the_cpu_ep():
-    """The executor's pool machinery on the CPU EP: zeroed at allocation; block copies by the helper session
-    with each pool bound as its input and output (in place: the buffer stays), matching copies one by one."""
-    pools = onnx_paged.DevicePools(
-        ["k", "v"], (6, 4, 2, 8), onnx_paged.FLOAT16, device="cpu", provider="CPUExecutionProvider"
-    )
+def test_block_copies_run_in_place_through_the_artifacts_copy_model(artifact):
+    """copy_blocks.onnx on the CPU EP, each pool bound as its input and its output: the pools stay where they
+    are and end as copying the pairs one by one would leave them."""
+    manifest = read_manifest(artifact)
+    assert manifest["entry_points"]["copy_blocks"] == {"file": "copy_blocks.onnx"}
+    onnx.checker.check_model(onnx.load(str(artifact / "copy_blocks.onnx")), full_check=True)
     generator = np.random.default_rng(1)
-    expected, addresses = {}, {}
-    for name, value in pools.values.items():
-        assert not value.numpy().any()
-        expected[name] = generator.standard_normal((6, 4, 2, 8)).astype(np.float16)
-        value.update_inplace(expected[name])
-        addresses[name] = value.data_ptr()
+    expected = {
+        name: generator.standard_normal((6, BLOCK, KV_HEADS, HEAD_DIM)).astype(np.float16)
+        for layer in range(LAYERS)
+        for name in pool_names(layer)
+    }
+    pools = {name: ort.OrtValue.ortvalue_from_numpy(values.copy()) for name, values in expected.items()}
+    addresses = {name: value.data_ptr() for name, value in pools.items()}
+    session = onnx_paged.copy_session(str(artifact / "copy_blocks.onnx"), "CPUExecutionProvider")
+    copier = onnx_paged.BlockCopier(session, pools)
     pairs = [(0, 3), (3, 5), (1, 1), (2, 4), (4, 0)]
-    pools.copy_blocks(pairs)
-    for name, value in pools.values.items():
+    copier.copy(pairs)
+    for name, value in pools.items():
         for source, destination in pairs:
             expected[name][destination] = expected[name][source]
         np.testing.assert_array_equal(value.numpy(), expected[name])
         assert value.data_ptr() == addresses[name]
     with pytest.raises(GenerationError, match="block 6 is outside the pool of 6"):
-        pools.copy_blocks([(6, 0)])
+        copier.copy([(6, 0)])
+
+
+def test_copy_rounds_keep_the_order_of_the_copies():
+    assert copy_rounds([(1, 2), (3, 4)]) == [([1, 3], [2, 4])]
+    assert copy_rounds([(1, 2), (2, 5), (3, 6)]) == [([1], [2]), ([2, 3], [5, 6])]
+    assert copy_rounds([(1, 2), (3, 2)]) == [([1], [2]), ([3], [2])]
+    assert copy_rounds([(1, 2), (3, 1)]) == [([1], [2]), ([3], [1])]  # block 1 is read before it is written
 
 
 def test_cuda_executor_matches_the_torch_reference(artifact, reference_program):
     """Where a GPU is: prompts, a step sharing a prefix block, a copy-on-write block copy and a step reading
     the copy, on the CUDA executor and the torch reference from the same zeroed pools."""
-    if not _cuda_runs():
+    if not _cuda_runs(artifact):
         pytest.skip("onnxruntime cannot start the CUDA EP here")
     ours = OnnxPagedExecutor.from_artifact(artifact, read_manifest(artifact), POOL_BLOCKS, BLOCK, 64, 0)
     theirs = TorchExecutor(reference_program, max_context=64, num_blocks=POOL_BLOCKS)
@@ -332,7 +332,7 @@ def test_cuda_executor_matches_the_torch_reference(artifact, reference_program):
         np.testing.assert_allclose(ours.step(batch), theirs.step(batch), atol=3e-2, rtol=0)
     for executor in (ours, theirs):
         executor.copy_blocks([(2, 6), (5, 8)])
-    for name, value in ours.pools.values.items():
+    for name, value in ours.pools.items():
         np.testing.assert_allclose(value.numpy().astype(np.float32), theirs.caches[name].float().numpy(), atol=1e-2)
     batch = StepBatch([[21], [22]], [31, 20], [[7, 6], [7, 8]])
     np.testing.assert_allclose(ours.step(batch), theirs.step(batch), atol=3e-2, rtol=0)

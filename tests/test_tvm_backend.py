@@ -21,7 +21,7 @@ from llmlower.cli import main
 from llmlower.frontend import capture, load
 from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout
 from llmlower.runtime import StepBatch
-from llmlower.runtime.executors.tvm import copy_rounds
+from llmlower.runtime.executor import copy_rounds
 from llmlower.step_io import KVLayout
 
 BLOCK_SIZE, MAX_CONTEXT, NUM_BLOCKS = 4, 32, 40

@@ -6,12 +6,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import onnx
+from onnx import TensorProto
 
 from ...errors import LlmlowerError
 from ...ir.program import Program
 from ...progress import stage
 from ...runtime.artifact import write_artifact
+from ...runtime.executors.onnx_paged import COPY_BLOCKS_FILE
+from ...step_io import KVLayout
 from ..manifest import kv_layout_manifest, program_manifest
+from .copy_blocks import copy_blocks_model
 from .export import to_onnx
 
 MODEL_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
@@ -36,10 +40,23 @@ def build(
         raise LlmlowerError("the onnx backend needs a program with a KV cache (the kv_cache pass)")
     with stage("lower to ONNX (torch.onnx.export)"):
         model = to_onnx(program, accuracy_level=accuracy_level)
+    entry_points = {
+        "step": {
+            "file": MODEL_FILE,
+            "inputs": [t.to_dict() for t in program.inputs],
+            "outputs": [t.to_dict() for t in program.outputs],
+        }
+    }
+    copier = None
+    if program.kv_layout is KVLayout.PAGED:  # block copies on the device the pools live on
+        copier = copy_blocks_model(program.spec.num_layers, TensorProto.FLOAT16)
+        entry_points["copy_blocks"] = {"file": COPY_BLOCKS_FILE}
 
     def write(staging: Path) -> None:
         with stage("write model.onnx and its weights"):
             onnx.save(model, staging / MODEL_FILE, save_as_external_data=True, location=WEIGHTS_FILE)
+            if copier is not None:
+                onnx.save(copier, staging / COPY_BLOCKS_FILE)
         if write_extra is not None:
             write_extra(staging)
 
@@ -47,13 +64,7 @@ def build(
         **program_manifest(program, "onnx", target),
         "providers": PROVIDERS[target],
         "kv_layout": kv_layout_manifest(program),
-        "entry_points": {
-            "step": {
-                "file": MODEL_FILE,
-                "inputs": [t.to_dict() for t in program.inputs],
-                "outputs": [t.to_dict() for t in program.outputs],
-            }
-        },
+        "entry_points": entry_points,
         "onnx": {"ir_version": model.ir_version, "accuracy_level": accuracy_level},
     }
     return write_artifact(directory, write, manifest)

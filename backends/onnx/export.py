@@ -46,7 +46,7 @@ def check_lowerable(program: Program) -> None:
         if node.target in PAGED_OPS and (dtype := _activation_dtype(node, program)) not in PAGED_DTYPES:
             raise LoweringError(
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}) in {dtype}: ONNX Runtime's "
-                f"PagedAttention (CUDA) needs float16 or bfloat16; compile for --target cuda with --dtype float16"
+                "PagedAttention (CUDA) runs float16 here; compile for --target cuda (float16 by default)"
             )
 
 

@@ -19,7 +19,7 @@ from .schemas import ensure_schema
 
 MSFT = onnxscript.values.Opset("com.microsoft", 1)
 INT32 = onnxscript.onnx_types.INT32.dtype
-PAGED_DTYPES = ("float16", "bfloat16")  # PagedAttention's T
+PAGED_DTYPES = ("float16",)  # PagedAttention also takes bfloat16; llmlower's CUDA executor keeps float16 pools
 
 ensure_schema("com.microsoft", "PagedAttention", outputs=3)  # output, key_cache_out, value_cache_out
 

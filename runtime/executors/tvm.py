@@ -23,7 +23,7 @@ from tvm import relax
 
 from ...errors import GenerationError
 from ...step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout, pool_names
-from ..executor import Executor, StepBatch, last_token_logits, pack_batch, sequential_block_tables
+from ..executor import Executor, StepBatch, copy_rounds, last_token_logits, pack_batch, sequential_block_tables
 
 STEP, COPY_BLOCKS = "step", "copy_blocks"
 DEVICES = {"cpu": tvm.cpu, "cuda": tvm.cuda}
@@ -44,23 +44,6 @@ def use_prebuilt_kernels(binary: bytes, source_sha256: str) -> None:
         return jit(code, *args)
 
     tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_cuda, override=True)
-
-
-def copy_rounds(pairs: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
-    """(sources, destinations) batches that, run one after another with each batch's copies in parallel, do
-    the pairs' copies in order: a batch never reads or writes a block another of its copies writes."""
-    rounds: list[tuple[list[int], list[int]]] = []
-    reads: set[int] = set()
-    writes: set[int] = set()
-    for source, destination in pairs:
-        if not rounds or source in writes or destination in writes or destination in reads:
-            rounds.append(([], []))
-            reads, writes = set(), set()
-        rounds[-1][0].append(source)
-        rounds[-1][1].append(destination)
-        reads.add(source)
-        writes.add(destination)
-    return rounds
 
 
 class TvmExecutor(Executor):
