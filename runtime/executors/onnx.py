@@ -13,6 +13,8 @@ one sequence at a time: prompt chunks run one per session run.
 from __future__ import annotations
 
 import mmap
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,7 @@ def session_options(threads: int = 0, optimization: str = "all", profile: bool =
     options.intra_op_num_threads = threads
     options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
     options.enable_profiling = profile
+    options.profile_file_prefix = os.path.join(tempfile.gettempdir(), "llmlower_onnxruntime_profile")
     return options
 
 
