@@ -17,6 +17,13 @@ import torch
 from .registry import NAMESPACE, Cost, OpDef, register_op
 
 
+def visible(keys: torch.Tensor, positions: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """Which cache positions `keys` a query at `positions` attends to (broadcast): causal, and within the
+    sliding window when window > 0."""
+    allowed = keys <= positions
+    return allowed & (keys > positions - window) if window > 0 else allowed
+
+
 @torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
 def attention(
     q: torch.Tensor,
@@ -42,9 +49,7 @@ def attention(
 
     positions = past_lens[:, None] + torch.arange(tokens, device=q.device)  # [batch, tokens]
     keys = torch.arange(used, device=q.device)
-    allowed = (keys <= positions[:, :, None]) & (keys < totals[:, None, None])  # [batch, tokens, used]
-    if window > 0:
-        allowed &= keys > positions[:, :, None] - window
+    allowed = visible(keys, positions[:, :, None], window) & (keys < totals[:, None, None])  # [batch, tokens, used]
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k_cache[:, :, :used], v_cache[:, :, :used], attn_mask=allowed[:, None], scale=scale, enable_gqa=True
     )

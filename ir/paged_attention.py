@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attention_cost
+from .attention import attention_cost, visible
 from .registry import NAMESPACE, OpDef, register_op
 
 
@@ -55,10 +55,7 @@ def paged_attention(
         keys = torch.arange(past + new, device=q.device)
         where = block_tables[row, keys // block_size], keys % block_size
         k_seq, v_seq = (pool[where].permute(1, 0, 2)[None] for pool in (k_pool, v_pool))  # [1, kv_heads, keys, D]
-        query_positions = past + torch.arange(new, device=q.device)
-        allowed = keys[None, :] <= query_positions[:, None]
-        if window > 0:
-            allowed &= keys[None, :] > query_positions[:, None] - window
+        allowed = visible(keys[None, :], past + torch.arange(new, device=q.device)[:, None], window)
         out[:, :, start : start + new] = torch.nn.functional.scaled_dot_product_attention(
             q[:, :, start : start + new], k_seq, v_seq, attn_mask=allowed[None, None], scale=scale, enable_gqa=True
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .paged_attention import packed_positions
-from .qkv_attention import qkv_attention_cost
+from .qkv_attention import qkv_attention_cost, split_heads
 from .registry import NAMESPACE, OpDef, register_op
 
 
@@ -31,11 +31,7 @@ def paged_qkv_attention(
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens = qkv.shape[1]
-    head_dim = k_pool.shape[-1]
-    q, k, v = (
-        part.reshape(1, tokens, -1, head_dim).transpose(1, 2)
-        for part in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    )
+    q, k, v = split_heads(qkv, heads, kv_heads, k_pool.shape[-1])
     positions = torch.zeros(tokens, dtype=torch.int64, device=qkv.device)
     _, real = packed_positions(past_lens, input_lens)
     positions[: len(real)] = real.clamp(max=cos_table.shape[0] - 1)
@@ -44,7 +40,7 @@ def paged_qkv_attention(
     out, k_pool, v_pool = torch.ops.llmlower.paged_attention(
         q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens, scale, window
     )
-    return out.transpose(1, 2).reshape(1, tokens, heads * head_dim), k_pool, v_pool
+    return out.transpose(1, 2).reshape(1, tokens, -1), k_pool, v_pool
 
 
 @paged_qkv_attention.register_fake

@@ -17,6 +17,15 @@ from .registry import NAMESPACE, Cost, OpDef, register_op
 from .rope import rope_cost
 
 
+def split_heads(
+    qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [batch, heads, tokens, head_dim], k and v [batch, kv_heads, tokens, head_dim] of a fused projection."""
+    batch, tokens, _ = qkv.shape
+    parts = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return tuple(part.reshape(batch, tokens, -1, head_dim).transpose(1, 2) for part in parts)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::qkv_attention", mutates_args=())
 def qkv_attention(
     qkv: torch.Tensor,
@@ -32,11 +41,7 @@ def qkv_attention(
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, tokens, _ = qkv.shape
-    head_dim = k_cache.shape[-1]
-    q, k, v = (
-        part.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
-        for part in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    )
+    q, k, v = split_heads(qkv, heads, kv_heads, k_cache.shape[-1])
     positions = past_lens[:, None] + torch.arange(tokens, device=qkv.device)
     positions = positions.clamp(max=cos_table.shape[0] - 1)  # padded tokens may run past the table
     cos, sin = (torch.cat((t[positions], t[positions]), dim=-1)[:, None] for t in (cos_table, sin_table))
@@ -44,7 +49,7 @@ def qkv_attention(
     out, k_cache, v_cache = torch.ops.llmlower.attention(
         q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window
     )
-    return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim), k_cache, v_cache
+    return out.transpose(1, 2).reshape(batch, tokens, -1), k_cache, v_cache
 
 
 @qkv_attention.register_fake

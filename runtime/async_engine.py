@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..errors import GenerationError
-from .engine import Engine, EngineStats, GenerationDelta, GenerationResult, Prompt
+from .engine import Engine, EngineStats, GenerationDelta, GenerationResult, Prompt, params_per_prompt
 from .sampling import SamplingParams
 
 
@@ -62,12 +62,7 @@ class AsyncEngine:
         chat: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
         """The deltas of every completion as they are produced (`request` is the prompt's position)."""
-        if isinstance(prompts, str):
-            raise GenerationError("prompts must be a list of prompts (a str or a list of messages each)")
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise GenerationError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        params = params_per_prompt(prompts, params)
         deltas: asyncio.Queue = asyncio.Queue()
         request_ids: list[str] = []
         remaining = sum(p.n for p in params)

@@ -291,12 +291,7 @@ class Engine:
     ) -> Iterator[GenerationDelta]:
         """The deltas of every completion as they are produced; each completion's texts add up to its text.
         Requests still running when the caller stops listening are aborted."""
-        if isinstance(prompts, str):
-            raise GenerationError("prompts must be a list of prompts (a str or a list of messages each)")
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise GenerationError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        params = params_per_prompt(prompts, params)
         with self._driving():
             pairs = list(zip(prompts, params, strict=True))
             encoded = [self._checked_prompt(p, chat, f"prompts[{i}]", sp) for i, (p, sp) in enumerate(pairs)]
@@ -518,6 +513,19 @@ class Engine:
             index=sequence.index,
             request_id=request.request_id,
         )
+
+
+def params_per_prompt(
+    prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt of a generate/stream call (given once for all, or one each)."""
+    if isinstance(prompts, str):
+        raise GenerationError("prompts must be a list of prompts (a str or a list of messages each)")
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        raise GenerationError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    return list(params)
 
 
 def _joined(first: StreamDelta, second: StreamDelta) -> StreamDelta:

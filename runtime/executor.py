@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GenerationError
-from ..step_io import KVLayout
+from ..step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,19 @@ def pack_batch(batch: StepBatch) -> PackedBatch:
     for row, table in enumerate(batch.block_tables):
         tables[row, : len(table)] = table
     return PackedBatch(ids, positions[None], past_lens, input_lens, tables)
+
+
+def step_arrays(batch: PaddedBatch | PackedBatch) -> dict[str, np.ndarray]:
+    """A batch's arrays under the program inputs' names (block tables too, for a packed batch)."""
+    arrays = {
+        INPUT_IDS: batch.input_ids,
+        POSITION_IDS: batch.position_ids,
+        PAST_LENS: batch.past_lens,
+        INPUT_LENS: batch.input_lens,
+    }
+    if isinstance(batch, PackedBatch):
+        arrays[BLOCK_TABLES] = batch.block_tables
+    return arrays
 
 
 def last_token_logits(logits: np.ndarray, input_lens: np.ndarray, layout: KVLayout) -> np.ndarray:

@@ -8,6 +8,7 @@ program: the slots' rows up to the longest sequence), runs the graph and writes 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -21,8 +22,9 @@ from ...runtime.executor import (
     pack_batch,
     pad_batch,
     sequential_block_tables,
+    step_arrays,
 )
-from ...step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, LOGITS, PAST_LENS, POSITION_IDS, KVLayout, cache_layer
+from ...step_io import LOGITS, KVLayout, cache_layer
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_SEQUENCES = 4  # KV room when no pool size is given: this many sequences of max_context
@@ -94,13 +96,8 @@ class TorchExecutor(Executor):
         packed = pack_batch(batch)
         blocks, local = np.unique(packed.block_tables, return_inverse=True)
         rows = torch.from_numpy(blocks)
-        inputs = {
-            INPUT_IDS: torch.from_numpy(packed.input_ids),
-            POSITION_IDS: torch.from_numpy(packed.position_ids),
-            PAST_LENS: torch.from_numpy(packed.past_lens),
-            INPUT_LENS: torch.from_numpy(packed.input_lens),
-            BLOCK_TABLES: torch.from_numpy(local.reshape(packed.block_tables.shape)),
-        }
+        renumbered = replace(packed, block_tables=local.reshape(packed.block_tables.shape))
+        inputs = {name: torch.from_numpy(array) for name, array in step_arrays(renumbered).items()}
         inputs.update({name: cache[rows] for name, cache in self.caches.items()})
         outputs = self.program(**inputs)
         for name, cache in self.caches.items():
@@ -113,12 +110,7 @@ class TorchExecutor(Executor):
         slots = [table[0] // self.blocks_per_slot for table in batch.block_tables]
         used = int((padded.past_lens + padded.input_lens).max())
         rows = torch.as_tensor(slots)
-        inputs = {
-            INPUT_IDS: torch.from_numpy(padded.input_ids),
-            POSITION_IDS: torch.from_numpy(padded.position_ids),
-            PAST_LENS: torch.from_numpy(padded.past_lens),
-            INPUT_LENS: torch.from_numpy(padded.input_lens),
-        }
+        inputs = {name: torch.from_numpy(array) for name, array in step_arrays(padded).items()}
         inputs.update({name: cache[rows, :, :used] for name, cache in self.caches.items()})
         outputs = self.program(**inputs)
         for name, cache in self.caches.items():

@@ -23,8 +23,16 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import GenerationError
-from ...step_io import INPUT_IDS, INPUT_LENS, LOGITS, PAST_LENS, POSITION_IDS, PRESENT_PREFIX, KVLayout, cache_layer
-from ..executor import Executor, PaddedBatch, StepBatch, last_token_logits, pad_batch, sequential_block_tables
+from ...step_io import LOGITS, PRESENT_PREFIX, KVLayout, cache_layer
+from ..executor import (
+    Executor,
+    PaddedBatch,
+    StepBatch,
+    last_token_logits,
+    pad_batch,
+    sequential_block_tables,
+    step_arrays,
+)
 
 DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 OPTIMIZATION_LEVELS = {
@@ -60,6 +68,18 @@ def session_options(threads: int = 0, optimization: str = "all", profile: bool =
     return options
 
 
+def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """Bind the step's small inputs from the host (those the model takes), run with the caches bound already,
+    and return the logits (bound first as the binding's output 0, a fresh array each run)."""
+    names = {i.name for i in session.get_inputs()}
+    for name, value in arrays.items():
+        if name in names:
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+    binding.bind_output(LOGITS, "cpu")
+    session.run_with_iobinding(binding)
+    return binding.get_outputs()[0].numpy()
+
+
 class OnnxSlotExecutor(Executor):
     kv_layout = KVLayout.SLOTS
 
@@ -81,7 +101,6 @@ class OnnxSlotExecutor(Executor):
         slots = self.num_blocks // per_slot
         if slots < 1:
             raise GenerationError(f"{self.num_blocks} KV blocks do not hold one sequence of {max_context} tokens")
-        self.input_names = {i.name for i in self.session.get_inputs()}
         self.caches: dict[str, np.ndarray] = {}
         for spec in self.session.get_inputs():
             if cache_layer(spec.name) is not None:
@@ -166,15 +185,4 @@ class OnnxSlotExecutor(Executor):
                 self.binding.bind_input(name, "cpu", 0, cache.dtype, shape, pointer)
                 self.binding.bind_output(PRESENT_PREFIX + name, "cpu", 0, cache.dtype, shape, pointer)
             self.bound_rows = (first_slot, count)
-        feeds = {
-            INPUT_IDS: padded.input_ids,
-            POSITION_IDS: padded.position_ids,
-            PAST_LENS: padded.past_lens,
-            INPUT_LENS: padded.input_lens,
-        }
-        for name, value in feeds.items():
-            if name in self.input_names:
-                self.binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        self.binding.bind_output(LOGITS, "cpu")  # a fresh array each step
-        self.session.run_with_iobinding(self.binding)
-        return self.binding.get_outputs()[0].numpy()
+        return run_bound(self.session, self.binding, step_arrays(padded))

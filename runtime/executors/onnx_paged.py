@@ -27,12 +27,7 @@ import onnxruntime as ort
 
 from ...errors import GenerationError
 from ...step_io import (
-    BLOCK_TABLES,
-    INPUT_IDS,
-    INPUT_LENS,
     LOGITS,
-    PAST_LENS,
-    POSITION_IDS,
     PRESENT_PREFIX,
     KVLayout,
     cache_layer,
@@ -45,8 +40,9 @@ from ..executor import (
     last_token_logits,
     pack_batch,
     sequential_block_tables,
+    step_arrays,
 )
-from .onnx import session_options
+from .onnx import run_bound, session_options
 
 CUDA = "CUDAExecutionProvider"
 DEFAULT_SEQUENCES = 4  # KV room when no pool size is given: this many sequences of max_context
@@ -133,7 +129,6 @@ class OnnxPagedExecutor(Executor):
         zeros = np.zeros((self.num_blocks, self.block_size, kv_heads, head_dim), dtype=np.float16)
         self.pools = {p.name: ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", device_id) for p in pools}
         self.copier = BlockCopier(copier, self.pools)
-        self.input_names = {i.name for i in self.session.get_inputs()}
         self.all_positions = self.session.get_outputs()[0].shape[1] != 1
         self.binding = self.session.io_binding()
         self.binding.bind_output(LOGITS, "cpu")  # bound first: get_outputs()[0]
@@ -175,16 +170,4 @@ class OnnxPagedExecutor(Executor):
 
     def _run(self, packed: PackedBatch) -> np.ndarray:
         """Run the model on a packed batch (the pools stay bound); returns its logits on the host."""
-        feeds = {
-            INPUT_IDS: packed.input_ids,
-            POSITION_IDS: packed.position_ids,
-            PAST_LENS: packed.past_lens,
-            INPUT_LENS: packed.input_lens,
-            BLOCK_TABLES: packed.block_tables,
-        }
-        for name, value in feeds.items():
-            if name in self.input_names:
-                self.binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        self.binding.bind_output(LOGITS, "cpu")  # a fresh array each step
-        self.session.run_with_iobinding(self.binding)
-        return self.binding.get_outputs()[0].numpy()
+        return run_bound(self.session, self.binding, step_arrays(packed))

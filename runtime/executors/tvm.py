@@ -22,8 +22,16 @@ import tvm_ffi
 from tvm import relax
 
 from ...errors import GenerationError
-from ...step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout, pool_names
-from ..executor import Executor, StepBatch, copy_rounds, last_token_logits, pack_batch, sequential_block_tables
+from ...step_io import KVLayout, pool_names
+from ..executor import (
+    Executor,
+    StepBatch,
+    copy_rounds,
+    last_token_logits,
+    pack_batch,
+    sequential_block_tables,
+    step_arrays,
+)
 
 STEP, COPY_BLOCKS = "step", "copy_blocks"
 DEVICES = {"cpu": tvm.cpu, "cuda": tvm.cuda}
@@ -146,14 +154,7 @@ class TvmExecutor(Executor):
 
     def _run(self, batch: StepBatch) -> np.ndarray:
         """Run the step function on the packed batch; returns the program's logits."""
-        packed = pack_batch(batch)
-        values = {
-            INPUT_IDS: packed.input_ids,
-            POSITION_IDS: packed.position_ids,
-            PAST_LENS: packed.past_lens,
-            INPUT_LENS: packed.input_lens,
-            BLOCK_TABLES: packed.block_tables,
-        }
+        values = step_arrays(pack_batch(batch))
         args = [
             self.pools[name] if name in self.pools else tvm.runtime.tensor(values[name], self.device)
             for name in self.inputs
