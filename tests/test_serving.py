@@ -116,6 +116,20 @@ def test_a_cached_system_prompt_is_not_recomputed(backend, long_llama, tmp_path)
     assert all(r.usage.cached_tokens >= 400 - BLOCK for r in both)
 
 
+@pytest.mark.parametrize("backend", ["torch", "onnx", "tvm"])
+def test_n_completions_share_the_prompt_and_part_where_they_write(backend, tiny_llama, artifacts, alone):
+    """An n = 3 request prefills once; its completions share the prompt's blocks (paged: copy-on-write of the
+    partial last block; slots: copied into their own slots) and each decodes exactly as the prompt alone does."""
+    engine = _engine(backend, tiny_llama, artifacts)
+    prompts = _prompts(engine.spec.vocab_size)
+    results = engine.generate(
+        [prompts[1], prompts[3]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3)
+    )
+    assert [r.token_ids for r in results] == [alone[1]] * 3 + [alone[3]] * 3
+    assert engine.stats().prompt_tokens == len(prompts[1]) + len(prompts[3])  # each prompt computed once
+    _assert_all_blocks_free(engine)
+
+
 def test_aborted_requests_free_every_block_and_the_next_ones_are_right(tiny_llama, alone):
     engine = load_engine(tiny_llama, max_context=CONTEXT, num_blocks=12, max_num_batched_tokens=16)
     prompts = _prompts(engine.spec.vocab_size, [30] * 20, seed=1)
