@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from artifacts import ensure_artifact
 from transformers import DynamicCache
 
-from llmlower.api import compile_artifact, compile_program, tokenizer_of
+from llmlower.api import compile_program, tokenizer_of
 from llmlower.backends.torch import TorchExecutor
 from llmlower.frontend.example import cache_dir
-from llmlower.passes import build_pipeline
 from llmlower.runtime import Engine, Executor, StepBatch, sequential_block_tables
 
 PEERS = Path(__file__).parent / "peers"
@@ -108,14 +108,8 @@ def measure(prefill: Prefill, decode: Decode, prompts: dict[int, list[int]], new
 def artifact(
     model: str, backend: str, options: dict, directory: Path, threads: int, context: int, rebuild: bool
 ) -> tuple[Prefill, Decode]:
-    """A `backend` artifact of MODEL with build_pipeline `options`, compiled into `directory` unless one with
-    the same backend, passes and pass options is already there (--rebuild compiles anyway)."""
-    pipeline = build_pipeline(**options)
-    manifest = json.loads((directory / "manifest.json").read_text()) if (directory / "manifest.json").exists() else {}
-    wanted = [(p, {}) if isinstance(p, str) else (p[0], p[1]) for p in pipeline]
-    built = [(p["name"], p["options"]) for p in manifest.get("pipeline", [])]
-    if rebuild or manifest.get("backend") != backend or built != wanted:
-        compile_artifact(model, directory, pipeline, backend=backend)
+    """A `backend` artifact of MODEL with build_pipeline `options`, compiled into `directory` unless it is there."""
+    ensure_artifact(model, backend, options, directory, rebuild)
     return llmlower_executor(Engine.load(directory, max_num_seqs=1, max_context=context, threads=threads).executor)
 
 

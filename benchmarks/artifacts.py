@@ -1,0 +1,29 @@
+"""Artifacts the benchmarks compile once and reuse: compiled again only when the backend, its KV layout, the passes
+or their options differ from what the directory holds (or when asked to)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from llmlower.api import compile_artifact
+from llmlower.passes import build_pipeline, with_kv_layout
+from llmlower.runtime.backends import get_backend
+
+
+def ensure_artifact(model: str, backend: str, options: dict[str, Any], directory: Path, rebuild: bool = False) -> Path:
+    """`directory` holding MODEL compiled by `backend` (for the CPU) with build_pipeline(**options)."""
+    pipeline = build_pipeline(**options)
+    layout = get_backend(backend).layout("cpu")
+    manifest_path = directory / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    # what compile_artifact runs: the pipeline with the passes of the backend's KV layout (paged: paged_attention)
+    wanted = [(p, {}) if isinstance(p, str) else (p[0], p[1]) for p in with_kv_layout(pipeline, layout)]
+    built = [(p["name"], p["options"]) for p in manifest.get("pipeline", [])]
+    same = manifest.get("backend") == backend and manifest.get("kv_layout", {}).get("kind") == layout.value
+    if rebuild or not same or built != wanted:
+        print(f"[benchmarks] compiling {backend} {options or 'fp32'} into {directory}", file=sys.stderr)
+        compile_artifact(model, directory, pipeline, backend=backend)
+    return directory
