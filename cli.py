@@ -360,7 +360,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     serving = parser.add_argument_group("serving (continuous batching, paged KV cache)")
     serving.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step (default 16)")
     serving.add_argument(
-        "--max-num-batched-tokens", type=int, default=512, help="tokens per step, prompt chunks + decodes (default 512)"
+        "--max-num-batched-tokens", type=int, default=128, help="tokens per step, prompt chunks + decodes (default 128)"
     )
     serving.add_argument(
         "--block-size", type=int, help="KV block size in tokens (default 16; fixed by a paged artifact)"

@@ -20,7 +20,7 @@ looked up) and preemptions. All times are taken by the driving loop, the same wa
 
     .venv/bin/python benchmarks/serving.py [--streams 1,4,16,64] [--requests-per-stream 2] [--stagger 0.05]
         [--shared-prefix 0.5] [--prefix-tokens 400] [--prompt-tokens 100,600] [--new-tokens 128] [--seed 0]
-        [--max-num-batched-tokens 512] [--kv-cache-memory BYTES] [--threads 2] [--model example]
+        [--max-num-batched-tokens 128] [--kv-cache-memory BYTES] [--threads 2] [--model example]
         [--artifacts DIR] [--rebuild] [--only torch,onnx,tvm,ortgenai] [--json FILE] [--plot FILE]
 """
 
@@ -341,7 +341,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", default="100,600", help="MIN,MAX prompt length")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=128)
     parser.add_argument("--kv-cache-memory", type=int, help="KV pool bytes (default: N sequences of the longest)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default="example")

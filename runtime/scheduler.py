@@ -41,11 +41,13 @@ class ScheduledSequence:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int = 16, max_num_batched_tokens: int = 512) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int = 16, max_num_batched_tokens: int = 128) -> None:
         if max_num_seqs < 1:
             raise GenerationError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < 1:
-            raise GenerationError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if max_num_batched_tokens < max_num_seqs:  # else the newest running sequences would never get a turn
+            raise GenerationError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})"
+            )
         self.blocks = blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()

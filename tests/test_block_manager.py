@@ -130,3 +130,8 @@ def test_preemption_frees_the_newest_sequence_and_requeues_it_first():
             item.sequence.token_ids.append(1)
     assert scheduler.preemptions == 1 and scheduler.waiting[0] is newer and newer.num_computed == 0
     assert scheduler.running == [older]
+
+
+def test_a_step_budget_below_the_sequence_cap_is_refused():
+    with pytest.raises(GenerationError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
+        Scheduler(BlockManager(8, BLOCK), max_num_seqs=8, max_num_batched_tokens=4)
