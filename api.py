@@ -14,7 +14,7 @@ from .passes import DEFAULT_PIPELINE, run_pipeline, with_kv_layout
 from .passes.manager import PassSpec
 from .runtime import Engine, EngineConfig, Tokenizer
 from .runtime.artifact import is_artifact, read_manifest
-from .runtime.backends import get_backend, load_symbol
+from .runtime.backends import BACKENDS, get_backend, load_symbol
 from .runtime.block_manager import kv_pool_blocks
 from .runtime.perplexity import PerplexityResult, perplexity
 from .step_io import KVLayout
@@ -87,17 +87,18 @@ def compile_artifact(
     if entry.compiler is None:
         raise LlmlowerError(f"--backend {backend}: {entry.summary}; compile with one of onnx, tvm")
     layout = entry.layout(target)  # before the minutes of capture and passes
-    if backend == "onnx":
-        if cuda_arch or cpu:
-            raise LlmlowerError("--cuda-arch and --cpu are options of --backend tvm")
-        options = {"accuracy_level": 4 if accuracy_level is None else accuracy_level}
-    else:
-        from .backends.tvm import check_target
-
-        if accuracy_level is not None:
-            raise LlmlowerError("--accuracy-level is an option of --backend onnx")
-        check_target(target, cuda_arch)
-        options = {"cuda_arch": cuda_arch, "cpu": cpu}
+    given = {
+        name: value
+        for name, value in (("accuracy_level", accuracy_level), ("cuda_arch", cuda_arch), ("cpu", cpu))
+        if value is not None
+    }
+    for name in given:
+        if name not in entry.options:
+            owners = [b.name for b in BACKENDS.values() if name in b.options]
+            flag = "--" + name.replace("_", "-")
+            raise LlmlowerError(f"{flag}: one of the options of --backend {', '.join(owners)}")
+    if entry.check is not None:
+        load_symbol(entry.check)(target, given)
     dtype = dtype or ("float16" if target == "cuda" else "float32")
     loaded, program = compile_program(
         model, pipeline, dtype=dtype, kv_layout=layout, block_size=block_size, verify=verify
@@ -108,7 +109,7 @@ def compile_artifact(
         loaded.module.generation_config.to_json_file(directory / "generation_config.json")
 
     build = load_symbol(entry.compiler)
-    return build(program, output, target=target, write_extra=write_model_files, **options)
+    return build(program, output, target=target, write_extra=write_model_files, **given)
 
 
 def tokenizer_of(loaded: LoadedModel) -> Tokenizer:

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from . import progress
 from .errors import LlmlowerError
+from .runtime.backends import BACKENDS
 
 MODEL_HELP = "a checkpoint directory, a .gguf file, 'example' (SmolLM2-135M-Instruct) or (generate) an artifact"
 
@@ -401,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="compile a model into a deployable artifact directory")
     comp.add_argument("model", help=MODEL_HELP)
     comp.add_argument("-o", "--output", required=True, help="the artifact directory to write")
-    comp.add_argument("--backend", default="onnx", choices=["onnx", "tvm"], help="onnx: ONNX Runtime; tvm: Apache TVM")
+    compilers = [name for name, backend in BACKENDS.items() if backend.compiler]
+    comp.add_argument("--backend", default="onnx", choices=compilers, help="onnx: ONNX Runtime; tvm: Apache TVM")
     comp.add_argument("--target", default="cpu", help="cpu or cuda")
     comp.add_argument(
         "--accuracy-level",
@@ -444,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill step (default 512)")
     roof.add_argument("--batch", default="1,16", help="decode batch sizes, comma-separated (default 1,16)")
     roof.add_argument("--context", type=int, default=512, help="cache positions a decode step attends (default 512)")
-    roof.add_argument("--backend", choices=["torch", "onnx", "tvm"], help="where steps are timed (default onnx)")
+    roof.add_argument("--backend", choices=list(BACKENDS), help="where steps are timed (default onnx)")
     roof.add_argument(
         "--machine", default="cpu", help="ceilings: cpu or cuda (measured here), a100, h100, h200, l4, rtx4090"
     )

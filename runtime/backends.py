@@ -19,7 +19,8 @@ class Backend:
     """`layouts`: target -> KV layout of its programs; `executors`: KV layout -> "module:Class" under
     llmlower.runtime.executors that runs its artifacts; `compiler`: "module:function" writing an artifact
     (build(program, directory, target=..., write_extra=..., **options)); `program_executor`: "module:function"
-    making an executor straight from a Program (program, max_context, num_blocks) for tests and the roofline."""
+    making an executor straight from a Program (program, max_context, num_blocks) for tests and the roofline;
+    `options` and `check`: the compile options it takes and the check run on them before compiling."""
 
     name: str
     layouts: dict[str, KVLayout]
@@ -27,6 +28,8 @@ class Backend:
     compiler: str | None
     program_executor: str
     summary: str
+    options: tuple[str, ...] = ()  # the compile options (keywords of `compiler`) it takes
+    check: str | None = None  # "module:function"(target, options) that refuses bad options before compiling
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -54,6 +57,7 @@ BACKENDS: dict[str, Backend] = {
         compiler="llmlower.backends.onnx.artifact:build",
         program_executor="llmlower.backends.onnx.executor:program_executor",
         summary="ONNX Runtime: GroupQueryAttention over per-sequence buffers on CPU, PagedAttention on CUDA",
+        options=("accuracy_level",),
     ),
     "tvm": Backend(
         name="tvm",
@@ -62,6 +66,8 @@ BACKENDS: dict[str, Backend] = {
         compiler="llmlower.backends.tvm.artifact:build",
         program_executor="llmlower.backends.tvm.executor:program_executor",
         summary="Apache TVM: Relax + llmlower's paged-attention kernels, llvm (CPU) or CUDA",
+        options=("cuda_arch", "cpu"),
+        check="llmlower.backends.tvm.compile:check_options",
     ),
 }
 

@@ -36,6 +36,11 @@ def check_target(target: str, cuda_arch: str | None = None) -> None:
         raise LlmlowerError(f"--cuda-arch {cuda_arch!r}: expected an architecture like {', '.join(CUDA_ARCHS)}")
 
 
+def check_options(target: str, options: dict[str, str]) -> None:
+    """The backends table's check of the compile options (cuda_arch, cpu), before anything is compiled."""
+    check_target(target, options.get("cuda_arch"))
+
+
 def host_cpu() -> str:
     """LLVM's name for this machine's CPU (e.g. znver3, skylake-avx512)."""
     return tvm.target.codegen.llvm_get_system_cpu()
