@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from llmlower.runtime import Engine, EngineConfig, SamplingParams
 from llmlower.runtime.executors.onnx import OnnxSlotExecutor
 
@@ -56,7 +58,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     args = parser.parse_args()
-    config = EngineConfig(max_num_seqs=args.streams, max_context=args.context + args.steps + 8)
+    decode_room = 1024  # tokens a sequence may decode while the others are still being prefilled
+    config = EngineConfig(max_num_seqs=args.streams, max_context=args.context + decode_room)
     engine = Engine.load(args.artifact, config, threads=args.threads)
     executor = engine.executor
     if isinstance(executor, OnnxSlotExecutor):  # the same model in a profiled session
@@ -67,11 +70,11 @@ def main() -> None:
         engine = Engine(executor, engine.tokenizer, engine.spec, config=config)
     filler = engine.tokenizer.encode(FILLER * (args.context // 8), add_special_tokens=False)
     prompts = [filler[i : i + args.context] for i in range(args.streams)]
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=decode_room - 1, ignore_eos=True)
     for prompt in prompts:
         engine.add_request(prompt, params)
     while engine.stats().running < args.streams or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
-        engine.step()  # prefill every prompt
+        engine.step()  # prefill every prompt (the first ones decode meanwhile)
     engine.step()  # a warm-up decode
     totals: dict[str, float] = collections.defaultdict(float)
     engine.scheduler.schedule = timed(totals, "scheduler + block manager", engine.scheduler.schedule)
@@ -83,7 +86,8 @@ def main() -> None:
         engine.step()
     wall = time.perf_counter() - started
     totals["detokenizer + engine bookkeeping"] = wall - sum(totals.values())
-    print(f"{args.streams} sequences decoding at context ~{args.context}, {args.steps} steps, load {os.getloadavg()}")
+    context = int(np.mean([len(s.token_ids) for s in engine.scheduler.running]))
+    print(f"{args.streams} sequences decoding at context ~{context}, {args.steps} steps, load {os.getloadavg()}")
     print(f"step: {wall / args.steps * 1000:.1f} ms, {args.streams * args.steps / wall:.1f} tokens/s")
     print("| phase | ms per step | share |\n|---|---:|---:|")
     for name, seconds in sorted(totals.items(), key=lambda item: -item[1]):

@@ -26,6 +26,9 @@ from ortgenai import load_model
 Clock = Callable[[], float]
 
 
+MAX_BATCH = 32  # onnxruntime-genai 0.18 refuses larger batches: "batch_size (64) must be in [1, 32]"
+
+
 def parse() -> tuple[argparse.Namespace, dict]:
     """The arguments and the workload: {"streams": [[prompt ids, ...] per stream], "stagger_s", "new_tokens"}."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -119,7 +122,8 @@ def main() -> None:
     check_prompts(workload["streams"], pad)
     model = load_model(args.model, args.threads)
     warm_up(model, pad)
-    records, waves = serve(model, workload, args.max_batch or len(workload["streams"]), pad)
+    max_batch = min(args.max_batch or len(workload["streams"]), MAX_BATCH)
+    records, waves = serve(model, workload, max_batch, pad)
     version = f"{og.__version__} (onnxruntime {onnxruntime.__version__})"
     print(json.dumps({"engine": "onnxruntime-genai", "version": version, "records": records, "waves": waves}))
 
