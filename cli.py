@@ -65,13 +65,14 @@ def _check_artifact_options(args: argparse.Namespace) -> None:
         raise LlmlowerError(f"{args.model} is a compiled artifact: {', '.join(given)} apply when compiling")
 
 
-def _engine_config(args: argparse.Namespace) -> Any:
-    """The serving limits from --max-num-seqs, --max-num-batched-tokens, --max-context, --block-size,
-    --num-blocks, --kv-cache-memory and --no-prefix-caching."""
+def _engine_config(args: argparse.Namespace, sequences: int) -> Any:
+    """The serving limits from --max-num-seqs (default `sequences`, what the command runs at once: the KV pool
+    is sized for that many full contexts), --max-num-batched-tokens, --max-context, --block-size, --num-blocks,
+    --kv-cache-memory and --no-prefix-caching."""
     from .runtime import EngineConfig
 
     return EngineConfig(
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs or sequences,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_context=args.max_context,
         block_size=args.block_size,
@@ -81,20 +82,20 @@ def _engine_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _engine(args: argparse.Namespace) -> Any:
-    """An Engine for MODEL: an artifact runs as compiled (without torch), a checkpoint through the pipeline."""
+def _engine(args: argparse.Namespace, sequences: int) -> Any:
+    """An Engine for MODEL running `sequences` at once unless --max-num-seqs says otherwise: an artifact runs as
+    compiled (without torch), a checkpoint through the pipeline."""
     from .runtime.artifact import is_artifact
 
     _check_artifact_options(args)
+    config = _engine_config(args, sequences)
     if is_artifact(args.model):
         from .runtime import Engine
 
-        return Engine.load(args.model, _engine_config(args), threads=args.threads)
+        return Engine.load(args.model, config, threads=args.threads)
     from .api import load_engine
 
-    return load_engine(
-        args.model, _pipeline(args), dtype=args.dtype or "float32", config=_engine_config(args), verify=args.verify
-    )
+    return load_engine(args.model, _pipeline(args), dtype=args.dtype or "float32", config=config, verify=args.verify)
 
 
 def parse_bytes(text: str) -> int:
@@ -123,7 +124,7 @@ def _sampling_params(args: argparse.Namespace) -> Any:
 
 def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # bad values fail before the model loads
-    engine = _engine(args)
+    engine = _engine(args, sequences=params.n)
     if args.stream:
         for delta in engine.stream([args.prompt], params, chat=not args.raw):
             print(delta.text, end="\n\n" if delta.finish_reason and params.n > 1 else "", flush=True)
@@ -151,7 +152,7 @@ def _chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     if params.n != 1:
         raise LlmlowerError("chat: n must be 1")
-    engine = _engine(args)
+    engine = _engine(args, sequences=1)
     console = Console(stderr=True)
     console.print(f"[dim]chatting with {args.model} ({'greedy' if params.greedy else 'sampling'}); /reset, /exit[/dim]")
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -359,7 +360,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, **options)
     parser.add_argument("--max-context", type=int, default=2048, help="longest sequence in tokens (default 2048)")
     serving = parser.add_argument_group("serving (continuous batching, paged KV cache)")
-    serving.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step (default 16)")
+    serving.add_argument("--max-num-seqs", type=int, help="sequences per step (default: the completions asked for)")
     serving.add_argument(
         "--max-num-batched-tokens", type=int, default=128, help="tokens per step, prompt chunks + decodes (default 128)"
     )
