@@ -102,15 +102,16 @@ class BlockManager:
 
     # ---------------------------------------------------------------- admission
 
-    def admit(self, seq_id: int, token_ids: Sequence[int], reserve: int = 0) -> int | None:
-        """Start a sequence: find its cached prefix and make sure its first chunk can be placed. Returns how
-        many of its tokens are already cached (its KV need not be computed), or None when the pool cannot take
-        it now while keeping `reserve` blocks free for the running sequences (nothing is held then)."""
+    def admit(self, seq_id: int, token_ids: Sequence[int], reserve: int = 0, width: int = 1) -> int | None:
+        """Start a sequence: find its cached prefix and make sure its prompt can be placed. Returns how many of
+        its tokens are already cached (its KV need not be computed), or None when the pool cannot take it now
+        while keeping `reserve` blocks free for the running sequences (nothing is held then). `width`: the
+        sequences it will fork into (an n > 1 request), each needing a slot of its own in the SLOTS layout."""
         if seq_id in self.tables:
             raise GenerationError(f"sequence {seq_id} already holds blocks")
         hits = self._cached_prefix(token_ids)
         if self.blocks_per_slot is not None:
-            return self._admit_to_slot(seq_id, token_ids, hits)
+            return self._admit_to_slot(seq_id, token_ids, hits) if len(self.free_slots) >= width else None
         new_blocks = self.blocks_needed(len(token_ids)) - len(hits)  # room for the whole prompt
         reusable = sum(1 for block in hits if self.refs[block] == 0)  # cached, unreferenced: counted as free
         if self.num_free_blocks - reusable < new_blocks + reserve:

@@ -343,6 +343,8 @@ class Engine:
             raise GenerationError(f"{label} has token id {max(ids)}; the vocabulary has {vocab} tokens")
         if params.n > self.config.max_num_seqs:
             raise GenerationError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if self.executor.blocks_per_slot and params.n > self.blocks.num_slots:
+            raise GenerationError(f"n={params.n} exceeds the {self.blocks.num_slots} sequences the KV pool holds")
         if self.blocks.blocks_needed(len(ids) + 1) > self.executor.num_blocks:
             raise GenerationError(f"{label} has {len(ids)} tokens; the KV pool holds {self.executor.num_blocks} blocks")
         return ids

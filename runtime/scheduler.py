@@ -98,7 +98,7 @@ class Scheduler:
             sequence = self.waiting[0]
             if len(self.running) + sequence.width > self.max_num_seqs:
                 break
-            cached = self.blocks.admit(sequence.seq_id, sequence.token_ids, reserve=len(self.running))
+            cached = self.blocks.admit(sequence.seq_id, sequence.token_ids, len(self.running), sequence.width)
             if cached is None:
                 break
             count = min(len(sequence.token_ids) - cached, budget)

@@ -80,6 +80,8 @@ def test_slots_keep_a_sequence_contiguous_and_copy_prefixes_from_busy_slots():
     assert manager.block_table(2) == [0, 1] and manager.take_copies() == []
     with pytest.raises(GenerationError, match="outgrows its slot"):
         manager.allocate(2, 17)
+    assert manager.admit(3, [5, 6, 7], width=2) is None  # an n = 2 request needs two free slots; one is left
+    assert manager.admit(3, [5, 6, 7], width=1) == 0
 
 
 def test_pool_size_from_memory_and_a_pool_larger_than_the_machine_is_refused():

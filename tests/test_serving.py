@@ -130,6 +130,19 @@ def test_n_completions_share_the_prompt_and_part_where_they_write(backend, tiny_
     _assert_all_blocks_free(engine)
 
 
+def test_n_completions_wait_for_slots_and_a_request_wider_than_the_pool_is_refused(artifacts, alone):
+    """ONNX's per-sequence caches: an n = 2 request is admitted when two slots are free (the second request
+    waits for the first), an n = 3 one can never fit two slots and is refused at once."""
+    engine = Engine.load(artifacts("onnx"), max_context=CONTEXT, num_blocks=2 * CONTEXT // BLOCK)
+    prompts = _prompts(engine.spec.vocab_size)
+    greedy_pairs = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
+    results = engine.generate(prompts[:2], greedy_pairs)
+    assert [r.token_ids for r in results] == [alone[0], alone[0], alone[1], alone[1]]
+    with pytest.raises(GenerationError, match="n=3 exceeds the 2 sequences the KV pool holds"):
+        engine.generate(prompts[:1], SamplingParams(max_tokens=4, n=3))
+    _assert_all_blocks_free(engine)
+
+
 def test_aborted_requests_free_every_block_and_the_next_ones_are_right(tiny_llama, alone):
     engine = load_engine(tiny_llama, max_context=CONTEXT, num_blocks=12, max_num_batched_tokens=16)
     prompts = _prompts(engine.spec.vocab_size, [30] * 20, seed=1)
