@@ -178,6 +178,26 @@ def _chat(args: argparse.Namespace) -> int:
         turn += 1
 
 
+SERVE_SEQUENCES = 16  # the server's max_num_seqs unless --max-num-seqs
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Load the model (an artifact needs no torch), then serve it until SIGTERM."""
+    import os
+    from pathlib import Path
+
+    try:
+        from .serve import ServerConfig, run
+    except ImportError as error:
+        raise LlmlowerError(f"serve needs the serve extra (pip install 'llmlower[serve]'): {error}") from None
+    engine = _engine(args, sequences=SERVE_SEQUENCES)
+    name = args.served_model_name or Path(str(args.model).rstrip("/")).name
+    api_key = args.api_key or os.environ.get("LLMLOWER_API_KEY")
+    config = ServerConfig(name, api_key, args.max_waiting, args.max_body_bytes)
+    run(engine, config, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .frontend import load, resolve_model
 
@@ -354,13 +374,18 @@ SAMPLING_FLAGS: dict[str, dict[str, Any]] = {  # SamplingParams field -> argpars
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """Sampling flags (named after SamplingParams' fields), context, threads and the pipeline options."""
+    """Sampling flags (named after SamplingParams' fields), then the serving and pipeline options."""
     group = parser.add_argument_group("sampling (see llmlower.runtime.sampling.SamplingParams)")
     for name, options in SAMPLING_FLAGS.items():
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, **options)
+    _add_serving_options(parser, "the completions asked for")
+
+
+def _add_serving_options(parser: argparse.ArgumentParser, default_seqs: str) -> None:
+    """Context, the engine's serving limits, threads and the pipeline options."""
     parser.add_argument("--max-context", type=int, default=2048, help="longest sequence in tokens (default 2048)")
     serving = parser.add_argument_group("serving (continuous batching, paged KV cache)")
-    serving.add_argument("--max-num-seqs", type=int, help="sequences per step (default: the completions asked for)")
+    serving.add_argument("--max-num-seqs", type=int, help=f"sequences per step (default: {default_seqs})")
     serving.add_argument(
         "--max-num-batched-tokens", type=int, default=128, help="tokens per step, prompt chunks + decodes (default 128)"
     )
@@ -458,6 +483,18 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     roof.set_defaults(run=_roofline)
 
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    srv.add_argument("model", help=MODEL_HELP)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", help="clients must send 'Authorization: Bearer KEY' (default: $LLMLOWER_API_KEY)")
+    srv.add_argument("--served-model-name", help="the model's name in the API (default: the artifact's directory name)")
+    srv.add_argument("--max-waiting", type=int, default=256, help="sequences waiting before new requests get 429")
+    srv.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20, help="larger request bodies get 413")
+    srv.add_argument("--drain-timeout", type=int, default=30, help="seconds running requests get after SIGTERM")
+    _add_serving_options(srv, f"{SERVE_SEQUENCES}")
+    srv.set_defaults(run=_serve)
+
     lst = sub.add_parser("passes", help="list the registered passes")
     lst.add_argument(
         "--explain", nargs="?", const="all", metavar="NAME", help="say what a pass (or every pass) matches and rewrites"
@@ -469,6 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lowest = {
+        "port": 1,
+        "max_waiting": 0,
+        "max_body_bytes": 1,
+        "drain_timeout": 0,
         "max_context": 1,
         "max_num_seqs": 1,
         "max_num_batched_tokens": 1,

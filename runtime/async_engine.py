@@ -62,30 +62,32 @@ class AsyncEngine:
         chat: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
         """The deltas of every completion as they are produced (`request` is the prompt's position)."""
+        requests = await self.submit(prompts, params, chat)
+        try:
+            async for delta in requests:
+                yield delta
+        finally:
+            requests.close()
+
+    async def submit(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = True,
+    ) -> RequestStream:
+        """Add the requests now (a bad one raises here, and none of them runs); iterate the result for their
+        deltas, close it to abort what is left (a server can answer an error before it starts a response)."""
         params = params_per_prompt(prompts, params)
-        deltas: asyncio.Queue = asyncio.Queue()
-        request_ids: list[str] = []
-        remaining = sum(p.n for p in params)
+        requests = RequestStream(self, sum(p.n for p in params))
         try:
             for position, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
-                request_ids.append(f"async-{next(self._ids)}")
-                await self._add(
-                    request_ids[-1],
-                    prompt,
-                    request_params,
-                    chat,
-                    _Listener(asyncio.get_running_loop(), deltas, position),
-                )
-            while remaining:
-                item = await deltas.get()
-                if isinstance(item, BaseException):
-                    raise item
-                remaining -= item.finish_reason is not None
-                yield item
-        finally:
-            if not self._closed:
-                for request_id in request_ids:
-                    self._send(lambda request_id=request_id: self._abort(request_id))
+                requests.ids.append(f"async-{next(self._ids)}")
+                listener = _Listener(asyncio.get_running_loop(), requests.deltas, position)
+                await self._add(requests.ids[-1], prompt, request_params, chat, listener)
+        except BaseException:
+            requests.close()
+            raise
+        return requests
 
     async def close(self) -> None:
         """Stop the engine thread once it has finished its current step (unfinished requests are aborted)."""
@@ -150,8 +152,9 @@ class AsyncEngine:
                     listener.loop.call_soon_threadsafe(
                         listener.queue.put_nowait, replace(delta, request=listener.position)
                     )
-                    if delta.finish_reason is not None and delta.request_id not in self.engine.requests:
-                        del self._listeners[delta.request_id]
+            for request_id in {d.request_id for d in deltas if d.finish_reason is not None}:
+                if request_id not in self.engine.requests:  # every completion of it has finished
+                    self._listeners.pop(request_id, None)
         for request_id in list(self._listeners):
             self._abort(request_id)
 
@@ -159,6 +162,34 @@ class AsyncEngine:
         for request_id, listener in list(self._listeners.items()):
             listener.loop.call_soon_threadsafe(listener.queue.put_nowait, exc)
             self._abort(request_id)
+
+
+class RequestStream:
+    """The deltas of requests submitted to an AsyncEngine, in the order they come; `close()` aborts the
+    requests still running (call it when the caller stops listening, e.g. on cancellation)."""
+
+    def __init__(self, engine: AsyncEngine, completions: int) -> None:
+        self.engine, self.remaining = engine, completions
+        self.ids: list[str] = []
+        self.deltas: asyncio.Queue = asyncio.Queue()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        if not self.remaining:
+            raise StopAsyncIteration
+        item = await self.deltas.get()
+        if isinstance(item, BaseException):
+            raise item
+        self.remaining -= item.finish_reason is not None
+        return item
+
+    def close(self) -> None:
+        if not self.engine._closed:
+            for request_id in self.ids:
+                self.engine._send(lambda request_id=request_id: self.engine._abort(request_id))
+        self.ids = []
 
 
 def _settle(future: asyncio.Future, error: Exception | None) -> None:

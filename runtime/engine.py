@@ -339,8 +339,11 @@ class Engine:
         if len(ids) >= self.executor.max_context:
             raise GenerationError(f"{label} has {len(ids)} tokens; the context holds {self.executor.max_context}")
         vocab = self.spec.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise GenerationError(f"{label} has token id {max(ids)}; the vocabulary has {vocab} tokens")
+        named = {label: ids, "stop_token_ids": params.stop_token_ids, "logit_bias": list(params.logit_bias)}
+        for name, tokens in named.items():  # checked now: a bad id found mid-step would fail the whole batch
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise GenerationError(f"{name} has token id {bad[0]}; the vocabulary has {vocab} tokens")
         if params.n > self.config.max_num_seqs:
             raise GenerationError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if self.executor.blocks_per_slot and params.n > self.blocks.num_slots:

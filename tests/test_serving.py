@@ -237,3 +237,17 @@ def test_the_paged_reference_equals_transformers(tiny_llama):
         ids = torch.tensor([prompt])
         expected = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert engine.generate([prompt], GREEDY)[0].token_ids == expected[0, len(prompt) :].tolist()
+
+
+def test_async_engine_delivers_every_completion_of_an_n_request(tiny_llama, alone):
+    """All n completions of a request often finish in the same step: each still reaches its caller."""
+    engine = load_engine(tiny_llama, max_context=CONTEXT)
+    prompts = _prompts(engine.spec.vocab_size)
+
+    async def scenario() -> list[list[int]]:
+        server = AsyncEngine(engine)
+        results = await server.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=12, n=3, ignore_eos=True))
+        await server.close()
+        return [r.token_ids for r in results]
+
+    assert asyncio.run(asyncio.wait_for(scenario(), timeout=120)) == [alone[0]] * 3 + [alone[1]] * 3

@@ -1,0 +1,256 @@
+"""The OpenAI-compatible FastAPI app around an AsyncEngine: /v1/models, /v1/completions, /v1/chat/completions
+(whole or as server-sent events), /health and /metrics.
+
+Every request is checked before the engine sees it (API key, body size, the model's name, field types, sampling
+values, the context), and refused in OpenAI's error envelope. The engine's one thread serves all requests in one
+continuous batch; a client that disconnects (streaming or not) has its request aborted, which frees its KV blocks
+before the next step. While the server drains (SIGTERM), new requests get 503 and running ones finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTasks
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import GenerationError
+from ..runtime import AsyncEngine, GenerationResult
+from ..runtime.async_engine import RequestStream
+from . import errors
+from .errors import APIError
+from .metrics import Metrics
+from .protocol import (
+    COMPLETIONS_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    Formatter,
+    completion_prompts,
+    sampling_params,
+    usage,
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """`max_waiting`: sequences that may wait beyond the engine's max_num_seqs before new requests get 429;
+    `max_body_bytes`: larger request bodies get 413."""
+
+    model_name: str
+    api_key: str | None = None
+    max_waiting: int = 256
+    max_body_bytes: int = 4 << 20
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over the limit is answered 413 before the app reads it (by its
+    Content-Length, or as it arrives when it is chunked)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        received = 0
+
+        async def counting() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise APIError(413, f"the request body is over {self.limit} bytes", None, "request_too_large")
+            return message
+
+        await self.app(scope, counting, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"the request body is over {self.limit} bytes", None, "request_too_large")
+        await error.response()(scope, receive, send)
+
+
+class Admission:
+    """Sequences in hand (running or waiting in the engine): a request that would take them over `capacity`
+    is refused with 429."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.held = capacity, 0
+
+    def take(self, count: int) -> Callable[[], None]:
+        """Hold `count` sequences; returns the function that lets them go (once, however often it is called)."""
+        if self.held + count > self.capacity:
+            raise APIError(429, "the waiting queue is full; retry later", None, "queue_full", retry_after=1)
+        self.held += count
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.held -= count
+
+        return release
+
+
+def _param(message: str, field: str) -> str:
+    """The request field an engine error names (its first word: n, logit_bias, stop_token_ids), else `field`."""
+    first = re.match(r"[a-z_]+", message)
+    return first.group(0) if first and first.group(0) in ("n", "logit_bias", "stop_token_ids") else field
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """The app serving `engine` under the name config.model_name."""
+    app = FastAPI(title="llmlower", docs_url=None, redoc_url=None)
+    errors.install(app)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    metrics = Metrics(engine.stats, config.model_name)
+    tokenizer = engine.engine.tokenizer
+    max_context = engine.engine.executor.max_context
+    app.state.draining = False
+    admission = Admission(engine.engine.config.max_num_seqs + config.max_waiting)
+
+    async def admitted(request: Request) -> None:
+        """The API key, and not shutting down."""
+        if config.api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                raise APIError(401, "a valid API key is needed (Authorization: Bearer KEY)", None, "invalid_api_key")
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down", None, "shutting_down", retry_after=5)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(admitted)])
+    async def models() -> dict[str, Any]:
+        card = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "llmlower"}
+        return {"object": "list", "data": [{**card, "max_model_len": max_context}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(admitted)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prompts = completion_prompts(body)
+        ids = [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
+        return await respond(body, request, ids, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(admitted)])
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = await asyncio.to_thread(engine.engine.prompt_token_ids, conversation)
+        except GenerationError as error:
+            raise APIError(400, str(error), "messages", "invalid_value") from None
+        return await respond(body, request, [ids], chat=True)
+
+    async def respond(body: ChatRequest | CompletionRequest, request: Request, ids: list[list[int]], chat: bool):
+        """Check the prompts against the context, submit them, and answer whole or as a stream."""
+        if body.model != config.model_name:
+            raise APIError(404, f"the model `{body.model}` does not exist", "model", "model_not_found")
+        field = "messages" if chat else "prompt"
+        longest = max(len(p) for p in ids)
+        params = sampling_params(body, max(1, max_context - longest) if chat else COMPLETIONS_MAX_TOKENS)
+        asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+        if longest + (asked or 1) > max_context:  # without max_tokens, generation stops at the context
+            what = f"{longest} prompt tokens" + (f" + max_tokens {asked}" if asked else "")
+            message = f"{field}: {what} exceed the context of {max_context} tokens"
+            raise APIError(400, message, field, "context_length_exceeded")
+        release = admission.take(len(ids) * params.n)
+        try:
+            stream = await engine.submit(ids, params, chat=False)
+        except GenerationError as error:
+            release()
+            raise APIError(400, str(error), _param(str(error), field), "invalid_value") from None
+        formatter = Formatter(tokenizer, config.model_name, chat, params.n)
+        if body.stream:
+            with_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = stream_events(stream, formatter, len(ids), with_usage, release)
+            # also when the client leaves before the first event (the events then never start)
+            background = BackgroundTasks()
+            for task in (stream.close, release):
+                background.add_task(task)
+            return StreamingResponse(events, media_type="text/event-stream", background=background)
+        try:
+            return JSONResponse(formatter.response(await collect_or_abort(stream, request)))
+        finally:
+            release()
+
+    async def collect_or_abort(stream: RequestStream, request: Request) -> list[GenerationResult]:
+        """Every completion's result; the requests are aborted if the client goes away first."""
+        collector = asyncio.ensure_future(finished(stream))
+        watcher = asyncio.ensure_future(disconnected(request))
+        try:
+            done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if collector not in done:
+                raise APIError(499, "the client closed the request")
+            return collector.result()
+        finally:
+            for task in (collector, watcher):
+                task.cancel()
+            stream.close()
+
+    async def finished(stream: RequestStream) -> list[GenerationResult]:
+        results = []
+        async for delta in stream:
+            if delta.result is not None:
+                metrics.observe(delta.result)
+                results.append(delta.result)
+        return results
+
+    async def stream_events(
+        stream: RequestStream, formatter: Formatter, count: int, with_usage: bool, release: Callable[[], None]
+    ) -> AsyncIterator[str]:
+        """The stream as server-sent events: a chunk per delta, then usage if asked, then [DONE]."""
+        results: list[GenerationResult] = []
+        offsets: dict[int, int] = {}  # choice -> characters sent (completions' text_offset)
+        try:
+            if formatter.chat:
+                choices = [formatter.role_choice(i) for i in range(count * formatter.n)]
+                yield sse(formatter.chunk(choices, None, with_usage))
+            async for delta in stream:
+                index = formatter.index(delta.request, delta.index)
+                choice = formatter.delta_choice(delta, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(delta.text)
+                yield sse(formatter.chunk([choice], None, with_usage))
+                if delta.result is not None:
+                    metrics.observe(delta.result)
+                    results.append(delta.result)
+            if with_usage:
+                yield sse(formatter.chunk([], usage(results), True))
+            yield "data: [DONE]\n\n"
+        except GenerationError as error:  # the engine failed mid-stream: the client hears why
+            yield APIError(500, str(error), None, "engine_error").event()
+        finally:
+            stream.close()
+            release()
+
+    return app
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the request's body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,384 @@
+"""`llmlower serve` tested live on 127.0.0.1 with the real `openai` client (pinned in the dev extra) and httpx: a
+tiny Llama ONNX artifact served by a subprocess, as a user would start it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmlower.cli import main
+
+KEY = "test-key"
+MODEL = "tiny"
+QUESTIONS = [f"Question {i}: what comes after {i} and {i + 1}?" for i in range(64)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(artifact: Path, *flags: str, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`llmlower serve ARTIFACT` in a subprocess on a free port of 127.0.0.1, until the block ends."""
+    port = _free_port()
+    command = [sys.executable, "-m", "llmlower.cli", "serve", str(artifact), "--port", str(port), *flags]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_llama, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("serve") / "tiny-onnx"
+    assert main(["compile", str(tiny_llama), "-o", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(artifact, tmp_path_factory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    flags = ("--api-key", KEY, "--served-model-name", MODEL, "--max-num-seqs", "16", "--max-body-bytes", "64K")
+    with serving(artifact, *flags, log=log) as (url, _):
+        yield url
+
+
+def _client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics by name (labels dropped: one model)."""
+    text = httpx.get(f"{url}/metrics").text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _wait_idle(url: str, timeout: float = 30) -> dict[str, float]:
+    """/metrics once nothing runs or waits and no KV block is used."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = _metrics(url)
+        idle = values["llmlower:num_requests_running"] == values["llmlower:num_requests_waiting"] == 0
+        if idle and values["llmlower:kv_cache_usage_perc"] == 0 or time.monotonic() > deadline:
+            return values
+        time.sleep(0.1)
+
+
+def _one_by_one(url: str, questions: list[str], max_tokens: int = 12) -> list[str]:
+    client = _client(url)
+    texts = []
+    for question in questions:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0
+        )
+        texts.append(reply.choices[0].message.content)
+    return texts
+
+
+def test_64_concurrent_streams_get_what_each_gets_alone(server):
+    """64 streaming chat requests at once (16 run, 48 wait): every stream's text, token by token, is the text
+    the same request gets alone; usage comes last when asked for."""
+    expected = _one_by_one(server, QUESTIONS)
+
+    async def stream_all() -> list[tuple[str, dict]]:
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+        async def one(question: str) -> tuple[str, dict]:
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": question}],
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            parts, usage = [], None
+            async for chunk in stream:
+                if chunk.choices:
+                    parts.append(chunk.choices[0].delta.content or "")
+                else:
+                    usage = chunk.usage
+            return "".join(parts), usage
+
+        return await asyncio.gather(*(one(q) for q in QUESTIONS))
+
+    streamed = asyncio.run(stream_all())
+    assert [text for text, _ in streamed] == expected
+    assert all(usage.completion_tokens == 12 for _, usage in streamed)
+    _wait_idle(server)
+
+
+def test_completions_and_chat_in_their_own_formats(server):
+    client = _client(server)
+    completion = client.completions.create(
+        model=MODEL, prompt=["The quick brown fox", "def add(a, b):"], max_tokens=6, temperature=0, n=2, logprobs=3
+    )
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    assert completion.choices[0].text == completion.choices[1].text  # greedy: both completions agree
+    logprobs = completion.choices[2].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert "".join(logprobs.tokens) == completion.choices[2].text and logprobs.text_offset[0] == 0
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs)
+    assert completion.usage.completion_tokens == 24 and completion.usage.prompt_tokens > 0
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
+        max_completion_tokens=5,
+        temperature=0.9,
+        seed=7,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True},
+    )
+    again = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
+        max_completion_tokens=5,
+        temperature=0.9,
+        seed=7,
+        extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True},
+    )
+    assert chat.choices[0].message.content == again.choices[0].message.content  # seeded: reproducible
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == 5 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    assert chat.choices[0].finish_reason == "length"
+
+    stop = completion.choices[0].text[2:4]
+    stopped = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
+    """20 streaming clients that leave after two chunks, and 5 non-streaming ones that give up: their requests
+    are aborted (far fewer tokens generated than asked for), KV usage goes back to 0, the next requests are right."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "tell me"}],
+        "max_tokens": 100,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    before = _wait_idle(server)["llmlower:generation_tokens_total"]
+    with httpx.Client(base_url=server, headers=headers, timeout=60) as http:
+        for _ in range(20):
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+                next(lines)  # then the client closes the connection mid-stream
+    for _ in range(5):
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(
+                f"{server}/v1/chat/completions", json={**body, "stream": False, "n": 8}, headers=headers, timeout=0.05
+            )
+    values = _wait_idle(server)
+    assert values["llmlower:kv_cache_usage_perc"] == 0 and values["llmlower:num_requests_running"] == 0
+    assert values["llmlower:generation_tokens_total"] - before < (20 + 5 * 8) * 100 / 2
+    assert _one_by_one(server, QUESTIONS[:3]) == _one_by_one(server, QUESTIONS[:3])
+
+
+BAD_REQUESTS = [  # (what, path, body or raw bytes, headers, status, param, code)
+    ("malformed JSON", "/v1/chat/completions", b'{"model": "tiny", "messages": [', {}, 400, None, "invalid_json"),
+    ("not an object", "/v1/completions", b"[1, 2]", {}, 400, None, "invalid_value"),
+    ("temperature as text", "/v1/chat/completions", {"temperature": "hot"}, {}, 400, "temperature", "invalid_value"),
+    ("max_tokens as text", "/v1/completions", {"max_tokens": "10"}, {}, 400, "max_tokens", "invalid_value"),
+    ("no messages", "/v1/chat/completions", {"messages": None}, {}, 400, "messages", "invalid_value"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, {}, 400, "messages", "invalid_value"),
+    (
+        "unknown role",
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {},
+        400,
+        "messages.0.role",
+        "invalid_value",
+    ),
+    ("negative temperature", "/v1/chat/completions", {"temperature": -1.0}, {}, 400, "temperature", "invalid_value"),
+    ("top_p 0", "/v1/completions", {"top_p": 0.0}, {}, 400, "top_p", "invalid_value"),
+    ("n 0", "/v1/completions", {"n": 0}, {}, 400, "n", "invalid_value"),
+    ("n above max_num_seqs", "/v1/completions", {"n": 17}, {}, 400, "n", "invalid_value"),
+    ("logprobs 30", "/v1/completions", {"logprobs": 30}, {}, 400, "logprobs", "invalid_value"),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        {"top_logprobs": 2},
+        {},
+        400,
+        "top_logprobs",
+        "invalid_value",
+    ),
+    (
+        "logit_bias key not a token",
+        "/v1/completions",
+        {"logit_bias": {"abc": 1.0}},
+        {},
+        400,
+        "logit_bias",
+        "invalid_value",
+    ),
+    (
+        "logit_bias beyond the vocabulary",
+        "/v1/completions",
+        {"logit_bias": {"99999": 1.0}},
+        {},
+        400,
+        "logit_bias",
+        "invalid_value",
+    ),
+    (
+        "stop token beyond the vocabulary",
+        "/v1/chat/completions",
+        {"stop_token_ids": [99999]},
+        {},
+        400,
+        "stop_token_ids",
+        "invalid_value",
+    ),
+    ("prompt ids beyond the vocabulary", "/v1/completions", {"prompt": [1, 99999]}, {}, 400, "prompt", "invalid_value"),
+    (
+        "prompt beyond the context",
+        "/v1/completions",
+        {"prompt": "fox " * 200},
+        {},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        "max_tokens beyond the context",
+        "/v1/chat/completions",
+        {"max_tokens": 500},
+        {},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    ("tools", "/v1/chat/completions", {"tools": [{"type": "function"}]}, {}, 400, "tools", "unsupported"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9"}, {}, 404, "model", "model_not_found"),
+    ("no API key", "/v1/models", None, {"Authorization": ""}, 401, None, "invalid_api_key"),
+    ("wrong API key", "/v1/completions", {}, {"Authorization": "Bearer nope"}, 401, None, "invalid_api_key"),
+    ("body over the limit", "/v1/completions", {"prompt": "x" * 70_000}, {}, 413, None, "request_too_large"),
+    ("unknown path", "/v1/embeddings", {}, {}, 404, None, None),
+]
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=[case[0] for case in BAD_REQUESTS])
+def test_bad_requests_get_an_openai_error_and_the_server_goes_on(server, case):
+    what, path, body, headers, status, param, code = case
+    base = {"model": MODEL}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **headers}
+    if body is None:
+        response = httpx.get(f"{server}{path}", headers=headers)
+    else:
+        content = body if isinstance(body, bytes) else json.dumps({**base, **body}).encode()
+        response = httpx.post(f"{server}{path}", content=content, headers=headers)
+    assert response.status_code == status, (what, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], what
+    assert (error["param"], error["code"]) == (param, code), (what, error)
+    assert httpx.get(f"{server}/health").status_code == 200
+    reply = _client(server).completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_the_openai_client_sees_typed_errors(server):
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").models.list()
+    with pytest.raises(openai.NotFoundError):
+        _client(server).completions.create(model="other", prompt="hi")
+    with pytest.raises(openai.BadRequestError) as raised:
+        _client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_p=2.0)
+    assert raised.value.body["param"] == "top_p"
+
+
+def test_metrics_parse_and_move_with_the_traffic(server):
+    before = _wait_idle(server)
+    client = _client(server)
+    client.completions.create(model=MODEL, prompt="counting tokens", max_tokens=5, temperature=0, n=2)
+    after = _wait_idle(server)
+    moved = {name: after[name] - before[name] for name in before}
+    assert moved["llmlower:generation_tokens_total"] == 10
+    assert moved["llmlower:prompt_tokens_total"] > 0 and moved["llmlower:prefix_cache_queries_total"] > 0
+    assert moved["llmlower:time_to_first_token_seconds_count"] == 2  # one per completion
+    assert moved["llmlower:e2e_request_latency_seconds_count"] == 2
+    assert moved["llmlower:request_queue_time_seconds_count"] == 2
+    assert moved["llmlower:inter_token_latency_seconds_count"] == 8  # 4 gaps per completion
+    assert "llmlower:num_preemptions_total" in after
+    assert httpx.get(f"{server}/metrics").status_code == 200  # no API key needed
+
+
+def test_a_full_queue_answers_429_with_retry_after(artifact, tmp_path):
+    flags = ("--max-num-seqs", "1", "--max-num-batched-tokens", "8", "--max-waiting", "1")
+    with serving(artifact, *flags, log=tmp_path / "log") as (url, _):
+        body = {"model": "tiny-onnx", "prompt": "a long one", "max_tokens": 100, "ignore_eos": True}
+
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(6)))
+
+        responses = asyncio.run(flood())
+        refused = [r for r in responses if r.status_code == 429]
+        assert refused and all(r.headers["Retry-After"] == "1" for r in refused)
+        assert refused[0].json()["error"]["code"] == "queue_full"
+        assert any(r.status_code == 200 for r in responses)
+
+
+def test_sigterm_lets_running_requests_finish_then_exits(artifact, tmp_path):
+    with serving(artifact, "--max-context", "128", log=tmp_path / "log") as (url, process):
+        body = {"model": "tiny-onnx", "prompt": "go on", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        chunks = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line)
+                if len(chunks) == 3:
+                    process.send_signal(signal.SIGTERM)  # mid-stream
+                if len(chunks) == 6:  # draining: a new request is turned away
+                    try:
+                        refused = httpx.post(f"{url}/v1/completions", json=body | {"stream": False}, timeout=5)
+                        assert refused.status_code == 503 and refused.headers["Retry-After"]
+                    except httpx.TransportError:
+                        pass  # the listening socket is closed already
+        assert chunks[-1] == "data: [DONE]"
+        assert json.loads(chunks[-2][6:])["choices"][0]["finish_reason"] == "length"  # it ran to the end
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
+        assert "Application shutdown complete" in (tmp_path / "log").read_text()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=2)
