@@ -27,9 +27,11 @@ looked up) and preemptions. All times are taken by the driving loop, the same wa
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
 import numpy as np
 from artifacts import ensure_artifact
 
@@ -53,10 +56,12 @@ TEXT = ROOT / "tests" / "data" / "perplexity.txt"
 ENGINES = {  # --only key -> row name
     "torch": "llmlower torch fp32",
     "onnx": "llmlower onnx q4g32",
+    "http": "llmlower onnx q4g32 over HTTP",
     "tvm": "llmlower tvm q4g32",
     "ortgenai": "ORT GenAI int4",
 }
-ARTIFACTS = {"onnx": ("q4g32", "onnx"), "tvm": ("tvm-q4g32", "tvm")}  # key -> (directory, backend), as in speed.py
+# key -> (directory, backend), as in speed.py; "http" serves the onnx artifact with `llmlower serve`
+ARTIFACTS = {"onnx": ("q4g32", "onnx"), "http": ("q4g32", "onnx"), "tvm": ("tvm-q4g32", "tvm")}
 QUANT = {"quant": "q4g32"}
 MIN_TAIL = 32  # tokens after the shared system prompt, at least
 
@@ -127,14 +132,19 @@ def describe(workload: Workload, args: argparse.Namespace) -> str:
 # ---------------------------------------------------------------- llmlower
 
 
-def load_llmlower(key: str, n: int, args: argparse.Namespace, artifact: Path | None) -> Engine:
-    """An engine of `key` for N streams: max_num_seqs = N, and the serving limits of the command line."""
-    limits = {
+def load_limits(n: int, args: argparse.Namespace) -> dict:
+    """The engine's limits for N streams: max_num_seqs = N, and the serving limits of the command line."""
+    return {
         "max_num_seqs": n,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_context": args.prompt_tokens[1] + args.new_tokens,
         "kv_cache_memory": args.kv_cache_memory,
     }
+
+
+def load_llmlower(key: str, n: int, args: argparse.Namespace, artifact: Path | None) -> Engine:
+    """An engine of `key` for N streams (load_limits)."""
+    limits = load_limits(n, args)
     if key == "torch":
         import torch
 
@@ -201,6 +211,92 @@ def run_llmlower(key: str, workload: Workload, args: argparse.Namespace, artifac
     row["kv_blocks"] = engine.executor.num_blocks
     del engine
     gc.collect()
+    return row
+
+
+# ---------------------------------------------------------------- llmlower over HTTP
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(artifact: Path, n: int, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """`llmlower serve ARTIFACT` on a free port of 127.0.0.1 with the in-process engine's limits; returns the
+    process and the URL once /health answers."""
+    port = free_port()
+    limits = load_limits(n, args)
+    command = [sys.executable, "-m", "llmlower.cli", "serve", str(artifact), "--port", str(port)]
+    command += ["--threads", str(args.threads), "--max-waiting", str(n * args.requests_per_stream)]
+    for name, value in limits.items():
+        if value is not None:
+            command += [f"--{name.replace('_', '-')}", str(value)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.kill()
+    raise Skipped(f"llmlower serve did not start (exit {process.poll()})")
+
+
+async def drive_http(url: str, model: str, workload: Workload) -> list[Record]:
+    """N asyncio clients, each streaming its requests from /v1/completions one after the other (token ids in,
+    one server-sent event per token out), timed as drive() times the in-process engine."""
+    start = time.perf_counter()
+    limits = httpx.Limits(max_connections=len(workload.streams) + 4)
+
+    async def client(http: httpx.AsyncClient, stream: int) -> list[Record]:
+        await asyncio.sleep(stream * workload.stagger_s)
+        records = []
+        for ids in workload.streams[stream]:
+            record = Record(stream, len(ids), time.perf_counter() - start)
+            body = {"model": model, "prompt": ids, "max_tokens": workload.new_tokens, "temperature": 0.0}
+            body.update(ignore_eos=True, stream=True)
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        record.token_times_s.append(time.perf_counter() - start)
+            records.append(record)
+        return records
+
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
+        per_stream = await asyncio.gather(*(client(http, i) for i in range(len(workload.streams))))
+    return [record for records in per_stream for record in records]
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """The server's /metrics samples (the counters the in-process rows read from engine.stats())."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    return {sample.name: sample.value for family in families for sample in family.samples}
+
+
+def run_http(workload: Workload, args: argparse.Namespace, artifact: Path) -> dict:
+    """One (engine, N) row of the onnx artifact behind `llmlower serve`, driven over HTTP from this process."""
+    process, url = start_server(artifact, len(workload.streams), args)
+    try:
+        warm_up_prompt = [10 + i % 1000 for i in range(args.max_num_batched_tokens)]
+        body = {"model": artifact.name, "prompt": warm_up_prompt, "max_tokens": 4, "ignore_eos": True}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
+        before = server_counters(url)
+        records = asyncio.run(drive_http(url, artifact.name, workload))
+        after = server_counters(url)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    queries = after["llmlower:prefix_cache_queries_total"] - before["llmlower:prefix_cache_queries_total"]
+    hits = after["llmlower:prefix_cache_hits_total"] - before["llmlower:prefix_cache_hits_total"]
+    row = summarize(records, workload.new_tokens)
+    row["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+    row["preemptions"] = int(after["llmlower:num_preemptions_total"] - before["llmlower:num_preemptions_total"])
     return row
 
 
@@ -405,6 +501,11 @@ def run_engine(key: str, loads: dict[int, Workload], args: argparse.Namespace) -
         try:
             if key == "ortgenai":
                 row.update(run_ortgenai(workload, args))
+            elif key == "http":
+                if artifact is None:
+                    directory = (args.artifacts or cache_dir() / "bench" / Path(args.model).name) / ARTIFACTS[key][0]
+                    artifact = ensure_artifact(args.model, ARTIFACTS[key][1], QUANT, directory, args.rebuild)
+                row.update(run_http(workload, args, artifact))
             else:
                 if compile_error:
                     raise Skipped(compile_error)
@@ -450,6 +551,11 @@ def main() -> None:
     rows = with_ratios(rows)
     end = load_line("end")
     print_table(rows)
+    in_process = {r["streams"]: r for r in rows if r["engine"] == ENGINES["onnx"] and "wall_s" in r}
+    for row in rows:
+        if row["engine"] == ENGINES["http"] and "wall_s" in row and row["streams"] in in_process:
+            share = row["output_tokens_per_s"] / in_process[row["streams"]]["output_tokens_per_s"]
+            print(f"N={row['streams']}: over HTTP {row['output_tokens_per_s']:.1f} tok/s, {share:.0%} of in-process")
     for row in rows:
         if "prefix_ttft" in row:
             cold, cached = row["prefix_ttft"]["cold_ms"], row["prefix_ttft"]["cached_ms"]
