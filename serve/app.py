@@ -147,15 +147,21 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         card = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "llmlower"}
         return {"object": "list", "data": [{**card, "max_model_len": max_context}]}
 
+    def check_model(name: str) -> None:
+        if name != config.model_name:
+            raise APIError(404, f"the model `{name}` does not exist", "model", "model_not_found")
+
     @app.post("/v1/completions", dependencies=[Depends(admitted)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
         prompts = completion_prompts(body)
         ids = [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
         return await respond(body, request, ids, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(admitted)])
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        check_model(body.model)
+        conversation = [m.for_template() for m in body.messages]
         try:
             ids = await asyncio.to_thread(engine.engine.prompt_token_ids, conversation)
         except GenerationError as error:
@@ -164,8 +170,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     async def respond(body: ChatRequest | CompletionRequest, request: Request, ids: list[list[int]], chat: bool):
         """Check the prompts against the context, submit them, and answer whole or as a stream."""
-        if body.model != config.model_name:
-            raise APIError(404, f"the model `{body.model}` does not exist", "model", "model_not_found")
         field = "messages" if chat else "prompt"
         longest = max(len(p) for p in ids)
         params = sampling_params(body, max(1, max_context - longest) if chat else COMPLETIONS_MAX_TOKENS)

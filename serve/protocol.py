@@ -93,10 +93,10 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates take it: text content, and `developer` as the system role it replaces."""
+        text = "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content
+        return {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
 
 
 class ChatRequest(SamplingFields):
