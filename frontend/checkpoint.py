@@ -18,7 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from ..errors import CheckpointError
 from ..progress import stage
 from ..spec import DTYPE_BYTES, ModelSpec
-from .files import check_gguf, read_json, safetensors_shards
+from .files import check_chat_template, check_gguf, read_json, read_tokenizer_json, safetensors_shards
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
@@ -60,6 +60,11 @@ def load(path: str | Path, dtype: str = "float32") -> LoadedModel:
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
+    if (path / "manifest.json").is_file():
+        raise CheckpointError(
+            f"{path}: a compiled llmlower artifact, not a checkpoint (generate, chat and perplexity run artifacts; "
+            "compile and inspect take the checkpoint it was compiled from)"
+        )
     with stage(f"load {path}"):
         loaded = _load_directory(path, dtype) if path.is_dir() else _load_gguf(path, dtype)
     loaded.module.eval().requires_grad_(False)
@@ -93,17 +98,29 @@ def _load_directory(directory: Path, dtype: str) -> LoadedModel:
 
 
 def _tokenizer_files(directory: Path) -> TokenizerFiles:
+    """tokenizer.json, tokenizer_config.json and the chat template, each checked here (a malformed one names its
+    file now, not when an artifact built from it is loaded)."""
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise CheckpointError(f"{tokenizer_path}: not found (the runtime needs a fast tokenizer's tokenizer.json)")
-    config = read_json(directory / "tokenizer_config.json", required=False) or {}
+    tokenizer_json = read_tokenizer_json(tokenizer_path)
+    config_path = directory / "tokenizer_config.json"
+    config = read_json(config_path, required=False) or {}
     template = config.pop("chat_template", None)
     if isinstance(template, list):  # named templates: use the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        named = (t for t in template if isinstance(t, dict) and t.get("name") == "default")
+        template = next((t.get("template") for t in named), None)
+    template_source = config_path
     template_path = directory / CHAT_TEMPLATE_FILE
     if template_path.is_file():
-        template = template_path.read_text(encoding="utf-8")
-    return TokenizerFiles(tokenizer_path.read_text(encoding="utf-8"), config, template)
+        try:
+            template = template_path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"{template_path}: not UTF-8 text ({exc})") from None
+        template_source = template_path
+    if template is not None:
+        check_chat_template(template, template_source)
+    return TokenizerFiles(tokenizer_json, config, template)
 
 
 def _load_gguf(path: Path, dtype: str) -> LoadedModel:

@@ -7,6 +7,10 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import jinja2.ext
+import tokenizers
+
 from ..errors import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
@@ -26,6 +30,36 @@ def read_json(path: Path, required: bool = True) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
+
+
+def read_tokenizer_json(path: Path) -> str:
+    """The text of a tokenizer.json that the tokenizers library loads, or a CheckpointError naming the file and
+    what is wrong (truncated, not JSON, JSON but not a tokenizer)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text ({exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc}; truncated?)") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object (a tokenizers tokenizer), found {type(data).__name__}")
+    try:
+        tokenizers.Tokenizer.from_str(text)
+    except Exception as exc:  # the tokenizers library raises plain Exceptions
+        raise CheckpointError(f"{path}: not a tokenizer the tokenizers library reads ({exc})") from None
+    return text
+
+
+def check_chat_template(template: object, source: Path) -> None:
+    """A chat template must be a string jinja2 parses (it is rendered by the runtime, long after compiling)."""
+    if not isinstance(template, str):
+        raise CheckpointError(f"{source}: chat_template must be a string, found {type(template).__name__}")
+    try:
+        jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise CheckpointError(f"{source}: chat template line {exc.lineno}: {exc.message}") from None
 
 
 def safetensors_shards(directory: Path) -> list[Path]:

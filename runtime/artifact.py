@@ -2,22 +2,33 @@
 
 Written into a temporary sibling directory and renamed into place when complete, so a crash never leaves
 a half-written artifact; loading checks the format version and every file's sha256 and names what is wrong.
+
+An artifact may come from anyone (a server loads the directory a user points it at), so before anything is
+read `read_manifest` also checks that every path the manifest names (its `files` and each `file` field: entry
+points, weights, device code, the block-copy model) stays inside the directory (relative, no `..`, no symlink
+leading out) and is hashed, and that every file the runtime reads by name (TOKENIZER_FILES) is hashed too:
+a stray, unlisted chat_template.jinja is refused, never read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import LlmlowerError
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2  # 2: KV layouts 'slots' and 'paged' (continuous batching)
+# Files the runtime reads by name rather than through a manifest field (runtime.tokenizer.Tokenizer.from_dir):
+# tokenizer.json must be hashed; the others, when present, must be hashed too (else the artifact is refused).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+REQUIRED_FILES = ("tokenizer.json",)
 
 
 class ArtifactError(LlmlowerError):
@@ -36,12 +47,39 @@ def is_artifact(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
+def check_output(directory: str | Path, flag: str = "--output") -> Path:
+    """Refuse an output path compiling must not replace (a file, or a directory that is neither empty nor an
+    artifact) or cannot write (its parent is a file or not writable), before minutes of compiling."""
+    directory = Path(directory).expanduser()
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        raise ArtifactError(f"{flag} {directory}: exists and is not a directory; compile writes an artifact directory")
+    if directory.is_dir() and not is_artifact(directory) and any(directory.iterdir()):
+        raise ArtifactError(
+            f"{flag} {directory}: a directory that is not an llmlower artifact (no {MANIFEST}) and not empty; "
+            "compile replaces only a previous artifact"
+        )
+    parent = directory.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ArtifactError(f"{flag} {directory}: {parent} is not a directory")
+    try:  # can we create the staging directory there? (access() says yes to root even on read-only mounts)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=parent))
+    except OSError as exc:
+        raise ArtifactError(f"{flag} {directory}: cannot write in {parent} ({exc.strerror or exc})") from None
+    return directory
+
+
 def write_artifact(directory: str | Path, write_files: Callable[[Path], None], manifest: dict[str, Any]) -> Path:
     """Call `write_files(staging_dir)`, hash what it wrote, add manifest.json, then move the directory to
-    `directory` (replacing an existing artifact only once the new one is complete)."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    `directory` (replacing an existing artifact only once the new one is complete; anything else at `directory`
+    is refused, never replaced)."""
+    directory = check_output(directory)
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    except OSError as exc:
+        raise ArtifactError(f"--output {directory}: cannot write there ({exc.strerror or exc})") from None
     try:
         write_files(staging)
         files = sorted(p for p in staging.rglob("*") if p.is_file())
@@ -71,20 +109,83 @@ def write_artifact(directory: str | Path, write_files: Callable[[Path], None], m
     return directory
 
 
+def named_files(manifest: Any, field: str = "") -> Iterator[tuple[str, Any]]:
+    """(field, value) of every `file` entry in the manifest, at any depth: entry_points.step.file,
+    weights.file, tvm.device_code.file, ..."""
+    if isinstance(manifest, dict):
+        for key, value in manifest.items():
+            name = f"{field}.{key}" if field else str(key)
+            if key == "file":
+                yield name, value
+            elif key != "files":
+                yield from named_files(value, name)
+    elif isinstance(manifest, list):
+        for index, value in enumerate(manifest):
+            yield from named_files(value, f"{field}[{index}]")
+
+
+def _check_path(directory: Path, root: Path, field: str, name: Any) -> None:
+    """`name` must be a relative path inside the artifact (no `..`, nothing absolute, no symlink leading out)."""
+    where = f"{directory / MANIFEST}: {field}"
+    if not isinstance(name, str) or not name:
+        raise ArtifactError(f"{where} {name!r}: expected a file name inside the artifact")
+    path = PurePosixPath(name)
+    if path.is_absolute() or "\\" in name or (len(name) > 1 and name[1] == ":"):
+        raise ArtifactError(f"{where} {name!r}: an absolute path; files must lie inside the artifact directory")
+    if ".." in path.parts:
+        raise ArtifactError(f"{where} {name!r}: leaves the artifact directory ('..')")
+    resolved = (directory / name).resolve()
+    if not resolved.is_relative_to(root):
+        raise ArtifactError(f"{where} {name!r}: resolves to {resolved}, outside {root} (a symlink leading out)")
+
+
+def check_manifest_paths(directory: Path, manifest: dict[str, Any]) -> dict[str, str]:
+    """Check every path the manifest names (before any is read) and return its hashed file list: each name in
+    `files` and each `file` field lies inside the directory, each `file` field and every file the runtime reads
+    by name is listed in `files` (so hashed)."""
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise ArtifactError(f"{directory / MANIFEST}: field 'files' is missing or not an object of name to sha256")
+    root = directory.resolve()
+    for name in files:
+        _check_path(directory, root, f"files[{name!r}]", name)
+    for field, name in named_files(manifest):
+        _check_path(directory, root, field, name)
+        if name not in files:
+            raise ArtifactError(f"{directory / MANIFEST}: {field} {name!r} is not in the manifest's files (not hashed)")
+    for name in TOKENIZER_FILES:
+        if name in files:
+            continue
+        if name in REQUIRED_FILES:
+            raise ArtifactError(f"{directory / MANIFEST}: {name} is not in the manifest's files")
+        if os.path.lexists(directory / name):
+            raise ArtifactError(
+                f"{directory / name}: not in {MANIFEST}'s files (not hashed), so it is not read; remove it, or "
+                "recompile to include it"
+            )
+    return files
+
+
 def read_manifest(directory: str | Path, verify: bool = True) -> dict[str, Any]:
-    """The manifest of an artifact, after checking its format version and (with `verify`) every file's hash."""
+    """The manifest of an artifact, after checking its format version, the paths it names (see
+    check_manifest_paths) and (with `verify`) every file's hash."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{path}: not found ({directory} is not an llmlower artifact)")
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise ArtifactError(f"{path}: a symlink leading out of the artifact directory")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: expected a JSON object, found {type(manifest).__name__}")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise ArtifactError(f"{path}: format_version {version!r}; this llmlower reads version {FORMAT_VERSION}")
-    for name, expected in manifest.get("files", {}).items():
+    files = check_manifest_paths(directory, manifest)
+    for name, expected in files.items():
         file = directory / name
         if not file.is_file():
             raise ArtifactError(f"{file}: listed in {MANIFEST} but missing")

@@ -17,7 +17,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from ..errors import GenerationError
+from ..errors import CheckpointError, GenerationError, LlmlowerError
+from .artifact import ArtifactError, is_artifact, read_manifest
 
 Message = dict[str, Any]
 
@@ -30,6 +31,23 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _read_text(path: Path, error: type[LlmlowerError]) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: cannot be read as UTF-8 text ({exc})") from None
+
+
+def _read_json(path: Path, error: type[LlmlowerError]) -> dict[str, Any]:
+    try:
+        data = json.loads(_read_text(path, error))
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
 class Tokenizer:
     """Encode, decode and chat-format text for one model."""
 
@@ -40,15 +58,27 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Tokenizer:
-        """Read tokenizer.json, tokenizer_config.json and (if present) chat_template.jinja."""
+        """Read tokenizer.json, tokenizer_config.json and (if present) chat_template.jinja. In an artifact these
+        must be files its manifest lists (hashed): an unlisted chat_template.jinja is refused, never read."""
         directory = Path(directory)
+        error: type[LlmlowerError] = CheckpointError
+        if is_artifact(directory):
+            read_manifest(directory, verify=False)  # refuses tokenizer files the manifest does not list
+            error = ArtifactError
         config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        config = _read_json(config_path, error) if config_path.is_file() else {}
         template = config.pop("chat_template", None)
         template_path = directory / "chat_template.jinja"
         if template_path.is_file():
-            template = template_path.read_text(encoding="utf-8")
-        return cls((directory / "tokenizer.json").read_text(encoding="utf-8"), config, template)
+            template = _read_text(template_path, error)
+        tokenizer_path = directory / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise error(f"{tokenizer_path}: not found")
+        text = _read_text(tokenizer_path, error)
+        try:
+            return cls(text, config, template)
+        except Exception as exc:  # tokenizers raises its own Exception type for a malformed tokenizer.json
+            raise error(f"{tokenizer_path}: not a tokenizers tokenizer ({exc})") from None
 
     @property
     def vocab_size(self) -> int:

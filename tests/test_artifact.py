@@ -137,3 +137,115 @@ def test_a_failed_compile_leaves_nothing_behind(tiny_checkpoints, tmp_path, caps
 def test_pipeline_options_on_an_artifact_are_refused(artifact, capsys):
     assert main(["generate", str(artifact), "--prompt", "x", "--quant", "q4g32"]) == 1
     assert "is a compiled artifact: --quant apply when compiling" in capsys.readouterr().err
+
+
+def _tampered(artifact, tmp_path, change):
+    """A copy of the artifact whose manifest `change(manifest, copy)` edited (manifest.json is not hashed)."""
+    import shutil
+
+    copy = shutil.copytree(artifact, tmp_path / "copy")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    change(manifest, copy)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def _point_step_at(name):
+    def change(manifest, copy):
+        manifest["entry_points"]["step"]["file"] = name
+
+    return change
+
+
+def _symlink_out(manifest, copy):
+    """A hashed file that is a symlink to a file outside the artifact."""
+    from llmlower.runtime.artifact import sha256
+
+    outside = copy.parent / "outside.onnx"
+    outside.write_bytes((copy / "model.onnx").read_bytes())
+    (copy / "linked.onnx").symlink_to(outside)
+    manifest["files"]["linked.onnx"] = sha256(outside)
+    manifest["entry_points"]["step"]["file"] = "linked.onnx"
+
+
+def _unlisted(manifest, copy):
+    (copy / "other.onnx").write_bytes((copy / "model.onnx").read_bytes())
+    manifest["entry_points"]["step"]["file"] = "other.onnx"
+
+
+def _listed_outside(manifest, copy):
+    manifest["files"]["../outside.bin"] = "0" * 64
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_point_step_at("../model.onnx"), r"entry_points\.step\.file '\.\./model\.onnx': leaves the artifact"),
+        (_point_step_at("/etc/hostname"), r"entry_points\.step\.file '/etc/hostname': an absolute path"),
+        (_point_step_at(42), r"entry_points\.step\.file 42: expected a file name"),
+        (_symlink_out, r"files\['linked\.onnx'\] 'linked\.onnx': resolves to .*outside\.onnx, outside .*symlink"),
+        (_unlisted, r"entry_points\.step\.file 'other\.onnx' is not in the manifest's files \(not hashed\)"),
+        (_listed_outside, r"files\['\.\./outside\.bin'\] '\.\./outside\.bin': leaves the artifact"),
+    ],
+    ids=["dotdot", "absolute", "not-a-name", "symlink-out", "unhashed", "files-dotdot"],
+)
+def test_every_path_the_manifest_names_stays_inside_and_is_hashed(artifact, tmp_path, capsys, change, message):
+    copy = _tampered(artifact, tmp_path, change)
+    with pytest.raises(ArtifactError, match=message):
+        Engine.load(copy)
+    assert main(["generate", str(copy), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "manifest.json" in err and "Traceback" not in err
+
+
+def test_every_file_field_is_checked(tmp_path):
+    """Each backend's `file` fields (TVM's weights and device code, ONNX's copy model) are found by one walk."""
+    from llmlower.runtime.artifact import named_files
+
+    manifest = {
+        "entry_points": {"step": {"file": "model.so"}, "copy_blocks": {"file": "copy_blocks.onnx"}},
+        "weights": {"file": "weights.safetensors", "order": []},
+        "tvm": {"device_code": {"file": "model.fatbin"}},
+        "files": {"file": "x"},  # names, not fields
+    }
+    assert dict(named_files(manifest)) == {
+        "entry_points.step.file": "model.so",
+        "entry_points.copy_blocks.file": "copy_blocks.onnx",
+        "weights.file": "weights.safetensors",
+        "tvm.device_code.file": "model.fatbin",
+    }
+
+
+def test_a_stray_chat_template_is_refused_not_read(artifact, tmp_path, capsys):
+    """The tokenizer reads chat_template.jinja by name: dropped into an artifact without being hashed, it would
+    silently change every chat prompt. It is refused (the artifact does not load) until it is removed."""
+    import shutil
+
+    from llmlower.runtime import Tokenizer
+
+    copy = shutil.copytree(artifact, tmp_path / "copy")
+    (copy / "chat_template.jinja").write_text("{{ 'INJECTED' }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ArtifactError, match=r"chat_template\.jinja: not in manifest\.json's files \(not hashed\)"):
+        Engine.load(copy)
+    with pytest.raises(ArtifactError, match=r"chat_template\.jinja: not in manifest\.json's files"):
+        Tokenizer.from_dir(copy)
+    assert main(["generate", str(copy), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "chat_template.jinja" in err and "Traceback" not in err
+    (copy / "chat_template.jinja").unlink()
+    assert "INJECTED" not in Engine.load(copy).tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_the_tokenizer_files_must_be_hashed(artifact, tmp_path):
+    def unlist(manifest, copy):
+        del manifest["files"]["tokenizer_config.json"]
+
+    with pytest.raises(ArtifactError, match=r"tokenizer_config\.json: not in manifest\.json's files"):
+        Engine.load(_tampered(artifact, tmp_path, unlist))
+
+
+def test_an_artifact_that_is_a_symlink_to_elsewhere_still_loads(artifact, tmp_path):
+    """Only paths inside the artifact must stay inside it: the directory itself may be reached through a link."""
+    link = tmp_path / "link"
+    link.symlink_to(artifact, target_is_directory=True)
+    Engine.load(link)
