@@ -215,3 +215,107 @@ def test_a_cuda_artifact_carries_gpu_code_for_the_asked_arch(arch, tiny_llama, t
     assert manifest["kv_layout"]["kind"] == "paged"
     device_code = manifest["tvm"]["device_code"]
     assert elf_arches((out / device_code["file"]).read_bytes()) == {int(arch[3:])}
+
+
+def _host_lacks(features):
+    """The LLVM features of `features` this CPU does not have (by /proc/cpuinfo)."""
+    from llmlower.runtime.cpu_features import CPU_FLAGS, host_cpu_flags
+
+    flags = host_cpu_flags()
+    if flags is None:
+        pytest.skip("this machine's CPU flags are unknown (no /proc/cpuinfo)")
+    return [f for f in features if CPU_FLAGS["x86_64"][f] not in flags]
+
+
+@pytest.fixture(scope="module")
+def portable_artifact(tiny_llama, tmp_path_factory):
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86-64-v3 is an x86 CPU level")
+    if _host_lacks(["avx2", "fma", "bmi2", "f16c"]):
+        pytest.skip("this CPU is not x86-64-v3")
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-llama-tvm-v3"
+    return compile_artifact(tiny_llama, out, backend="tvm", cpu="x86-64-v3", block_size=8)
+
+
+def test_a_portable_x86_64_v3_build_runs_here(portable_artifact, artifact):
+    from llmlower.runtime import Engine, EngineConfig, SamplingParams
+
+    manifest = json.loads((portable_artifact / "manifest.json").read_text())
+    built = manifest["tvm"]
+    assert built["cpu"] == "x86-64-v3" and built["triple"].startswith("x86_64")
+    assert {"avx2", "fma", "bmi2", "f16c", "movbe"} <= set(built["cpu_features"])
+    assert not {"avx512f", "avx512bw"} & set(built["cpu_features"])  # portable: no AVX-512
+    default = json.loads((artifact / "manifest.json").read_text())["tvm"]  # this machine's CPU, recorded too
+    assert default["cpu"] and "sse2" in default["cpu_features"]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    tokens = [
+        Engine.load(path, EngineConfig(max_num_seqs=1, max_context=64)).generate(["Hello there"], params)[0].token_ids
+        for path in (portable_artifact, artifact)
+    ]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+
+
+def test_an_artifact_for_a_cpu_this_machine_is_not_is_refused_before_loading(portable_artifact, tmp_path, capsys):
+    """Claims in the manifest of instructions this CPU lacks (as from a library built on a newer server): refused,
+    naming them, instead of dying with SIGILL inside a kernel."""
+    from llmlower.runtime import Engine
+    from llmlower.runtime.artifact import ArtifactError
+
+    candidates = ["amx-tile", "avx512fp16", "amx-fp16", "avx512vp2intersect", "fma4", "xop"]
+    missing = _host_lacks(candidates)[:2]
+    if not missing:
+        pytest.skip("this CPU has every candidate feature")
+    copy = shutil.copytree(portable_artifact, tmp_path / "copy")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["tvm"]["cpu"] = "future-cpu"
+    manifest["tvm"]["cpu_features"] += missing
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    expected = rf"built for --cpu future-cpu, with instructions this CPU lacks: {', '.join(missing)} \(it would stop"
+    with pytest.raises(ArtifactError, match=expected):
+        Engine.load(copy)
+    assert main(["generate", str(copy), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert missing[0] in err and "x86-64-v3" in err and "Traceback" not in err
+
+    manifest["tvm"]["triple"] = "aarch64-unknown-linux-gnu"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="its library was built for aarch64 .*; this machine is x86_64"):
+        Engine.load(copy)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="building for cuda needs nvcc (the CUDA toolkit)")
+def test_a_cuda_artifact_without_a_cuda_device_is_refused(tiny_llama, tmp_path, capsys):
+    import tvm
+
+    from llmlower.runtime import Engine
+    from llmlower.runtime.artifact import ArtifactError
+
+    if tvm.cuda(0).exist:
+        pytest.skip("this machine has a CUDA device")
+    out = compile_artifact(tiny_llama, tmp_path / "cuda", backend="tvm", target="cuda")
+    with pytest.raises(ArtifactError, match="this artifact runs on CUDA, and TVM's runtime here finds no CUDA device"):
+        Engine.load(out)
+    assert main(["generate", str(out), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "Traceback" not in err
+
+
+def test_a_detected_cpu_whose_features_this_machine_hides_is_refused_when_compiling(monkeypatch):
+    """A VM may report a CPU model while hiding some of its features: building for the detected CPU would give a
+    library this very machine cannot run, so the default --cpu is checked before compiling."""
+    from llmlower.backends.tvm.compile import check_options, cpu_manifest
+    from llmlower.errors import LlmlowerError
+    from llmlower.runtime import cpu_features
+
+    features = cpu_manifest(tvm_target("cpu"))["cpu_features"]
+    flags = cpu_features.host_cpu_flags()
+    if flags is None or "sse2" not in features:
+        pytest.skip("needs /proc/cpuinfo on x86")
+    monkeypatch.setattr(cpu_features, "host_cpu_flags", lambda: flags - {"sse2"})
+    with pytest.raises(LlmlowerError, match=r"this CPU is detected as .*, whose instructions sse2 it lacks"):
+        check_options("cpu", {})
+    check_options("cpu", {"cpu": "x86-64-v3"})  # an explicit --cpu is the user's choice
+    monkeypatch.undo()
+    check_options("cpu", {})

@@ -15,7 +15,7 @@ from ...progress import stage
 from ...runtime.artifact import write_artifact
 from ...step_io import LOGITS, KVLayout, pool_names
 from ..manifest import kv_layout_manifest, program_manifest
-from .compile import compile_module, cuda_binary, tvm_target
+from .compile import compile_module, cpu_manifest, cuda_binary, tvm_target
 from .relax_import import COPY_BLOCKS, COPY_INDICES, STEP, to_relax
 
 LIBRARY, WEIGHTS, DEVICE_CODE = "model.so", "weights.safetensors", "model.fatbin"
@@ -62,7 +62,7 @@ def build(
         "tvm": {
             "target": str(tvm_tgt),
             "cuda_arch": tvm_tgt.attrs.get("arch"),
-            "cpu": (tvm_tgt.host or tvm_tgt).attrs.get("mcpu"),
+            **cpu_manifest(tvm_tgt),  # triple, cpu and cpu_features: checked against the host when loaded
         },
         "kv_layout": kv_layout_manifest(program),
         "entry_points": {

@@ -4,6 +4,15 @@ cpu -> llvm with the host CPU (`-mcpu`, detected, overridable); cuda -> the CUDA
 (sm_80, sm_89, sm_90, ...), which builds here without a GPU. On CUDA the DLight GPU rules schedule every
 kernel; on CPU the DLight CPU rules schedule the GEMVs and reductions (decode) and the rest keeps TVM's
 default loops. Transposed weights are read in place (FuseTransposeMatmul), never transposed per step.
+
+Portable CPU libraries: one built for this machine's CPU (the default) may use instructions another machine
+lacks (AVX-512 on one x86 server, not on the next). The manifest records the LLVM triple, the CPU and the
+features LLVM enables for it (`cpu_manifest`), and the runtime refuses the artifact on a machine missing one
+instead of dying with SIGILL. For a library that runs on every x86 machine of a generation, build for an x86-64
+microarchitecture level: `--cpu x86-64-v2` (SSE4.2, POPCNT, CX16: x86 CPUs since about 2009), `--cpu x86-64-v3`
+(adds AVX2, FMA, BMI2, F16C, MOVBE: Intel Haswell 2013+, AMD Zen 2017+) or `--cpu x86-64-v4` (adds AVX-512
+F/BW/CD/DQ/VL). `--cpu` takes any CPU name LLVM knows for this machine's triple (znver3, skylake-avx512, ...)
+and refuses others before compiling; for `--target cuda` it names the CPU of the host code (default generic).
 """
 
 from __future__ import annotations
@@ -39,11 +48,42 @@ def check_target(target: str, cuda_arch: str | None = None) -> None:
 def check_options(target: str, options: dict[str, str]) -> None:
     """The backends table's check of the compile options (cuda_arch, cpu), before anything is compiled."""
     check_target(target, options.get("cuda_arch"))
+    cpu = options.get("cpu")
+    if cpu is None and target == "cpu":  # this machine's CPU as LLVM detects it: does its feature set hold here?
+        from ...runtime.cpu_features import PORTABLE_CPUS, machine_of, missing_cpu_features
+
+        built = cpu_manifest(tvm_target("cpu"))
+        arch = machine_of(built["triple"])
+        missing = missing_cpu_features(built["cpu_features"], arch)
+        if missing:
+            raise LlmlowerError(
+                f"this CPU is detected as {built['cpu']}, whose instructions {', '.join(missing)} it lacks (a "
+                f"virtual machine hiding them?): compile with {PORTABLE_CPUS.get(arch, '--cpu generic')}, or "
+                "--cpu naming a CPU this machine is"
+            )
+    if cpu is not None:
+        triple = tvm.target.codegen.llvm_get_system_triple()
+        if not tvm.target.codegen.llvm_is_valid_cpu(cpu, triple):
+            raise LlmlowerError(
+                f"--cpu {cpu!r}: not a CPU LLVM {tvm.target.codegen.llvm_version_major()} knows for {triple} "
+                f"(portable: x86-64-v2, x86-64-v3, x86-64-v4; this machine: {host_cpu()})"
+            )
 
 
 def host_cpu() -> str:
     """LLVM's name for this machine's CPU (e.g. znver3, skylake-avx512)."""
     return tvm.target.codegen.llvm_get_system_cpu()
+
+
+def cpu_manifest(target: tvm.target.Target) -> dict[str, object]:
+    """What the library's CPU code was built for: the LLVM triple, the CPU (-mcpu) and every feature LLVM enables
+    for it (ISA extensions such as avx2 or avx512f, and tuning flags), for the runtime's check of the host."""
+    host = target.host or target
+    return {
+        "triple": host.attrs.get("mtriple") or tvm.target.codegen.llvm_get_system_triple(),
+        "cpu": host.attrs.get("mcpu") or "generic",
+        "cpu_features": sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(host)),
+    }
 
 
 def tvm_target(target: str, cuda_arch: str | None = None, cpu: str | None = None) -> tvm.target.Target:

@@ -6,6 +6,11 @@ VM's device, allocated here (zeros) and owned by the executor; the runtime's blo
 which blocks a sequence uses. A step packs the batch's tokens (pack_batch) and calls the library's `step` with
 the program's own inputs and the pools, which its paged-attention kernels update in place; `copy_blocks` copies
 blocks on the device through the library's `copy_blocks`.
+
+Before an artifact's library is loaded, `from_artifact` checks that this machine can run it: a cuda artifact
+needs a CUDA device TVM's runtime can open (no silent CPU run), and the CPU code's ISA features the manifest
+records (avx2, avx512f, ...: backends.tvm.compile.cpu_manifest) must all be in this CPU's (/proc/cpuinfo),
+else the artifact is refused naming the missing ones, instead of the first kernel dying with SIGILL.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from tvm import relax
 
 from ...errors import GenerationError
 from ...step_io import KVLayout, pool_names
+from ..artifact import ArtifactError
+from ..cpu_features import check_host_cpu
 from ..executor import (
     Executor,
     StepBatch,
@@ -35,6 +42,18 @@ from ..executor import (
 
 STEP, COPY_BLOCKS = "step", "copy_blocks"
 DEVICES = {"cpu": tvm.cpu, "cuda": tvm.cuda}
+
+
+def check_device(artifact: Path, device: str) -> None:
+    """A cuda artifact needs a CUDA device TVM's runtime can open: say so rather than fail later or run on
+    the CPU."""
+    if device not in DEVICES:
+        raise ArtifactError(f"{artifact}: target {device!r}; TVM artifacts run on {', '.join(DEVICES)}")
+    if device == "cuda" and not tvm.cuda(0).exist:
+        raise ArtifactError(
+            f"{artifact}: this artifact runs on CUDA, and TVM's runtime here finds no CUDA device (no NVIDIA GPU "
+            "or driver, or a TVM built without CUDA); compile it with --target cpu to run on the CPU"
+        )
 
 
 def use_prebuilt_kernels(binary: bytes, source_sha256: str) -> None:
@@ -104,6 +123,8 @@ class TvmExecutor(Executor):
         max_context: int,
         threads: int = 0,
     ) -> TvmExecutor:
+        check_device(artifact, manifest["target"])  # before any of its files is loaded
+        check_host_cpu(artifact, manifest.get("tvm", {}))
         layout = manifest["kv_layout"]
         if layout["kind"] != KVLayout.PAGED.value or layout["block_size"] != block_size:
             raise GenerationError(
