@@ -7,16 +7,16 @@ from pathlib import Path
 
 from .backends.torch import TorchExecutor
 from .backends.torch.executor import DEFAULT_BLOCK_SIZE
-from .errors import LlmlowerError
+from .errors import ArgumentError, LlmlowerError
 from .frontend import LoadedModel, capture, load, resolve_model
 from .ir import Program
 from .passes import DEFAULT_PIPELINE, run_pipeline, with_kv_layout
 from .passes.manager import PassSpec
 from .runtime import Engine, EngineConfig, Tokenizer
-from .runtime.artifact import is_artifact, read_manifest
+from .runtime.artifact import check_output, is_artifact, read_manifest
 from .runtime.backends import BACKENDS, get_backend, load_symbol
 from .runtime.block_manager import kv_pool_blocks
-from .runtime.perplexity import PerplexityResult, perplexity
+from .runtime.perplexity import PerplexityResult, check_window, perplexity
 from .step_io import KVLayout
 
 
@@ -32,11 +32,18 @@ def compile_program(
 ) -> tuple[LoadedModel, Program]:
     """Load MODEL (checkpoint directory, .gguf file or 'example'), capture it and run the pipeline; with
     `kv_layout`, the pipeline is first adapted to it (PAGED adds paged_attention with `block_size`)."""
+    check_block_size(block_size)
     if kv_layout is not None:
         pipeline = with_kv_layout(pipeline, kv_layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
     program = run_pipeline(capture(loaded), pipeline, verify=verify, dump_dir=dump_dir)
     return loaded, program
+
+
+def check_block_size(block_size: int | None) -> None:
+    """A paged KV block holds a power of two of tokens (the paged_attention pass's rule), checked before loading."""
+    if block_size is not None and (isinstance(block_size, bool) or block_size < 1 or block_size & (block_size - 1)):
+        raise ArgumentError(f"--block-size {block_size}: must be a power of two (e.g. 16)")
 
 
 def load_engine(
@@ -83,6 +90,7 @@ def compile_artifact(
     (`accuracy_level`: MatMulNBits', default 4) or the tvm one (`cuda_arch` for cuda, e.g. sm_90; `cpu`: the
     LLVM CPU name, default this machine's). The dtype defaults to float32 on cpu and float16 on cuda; the
     pipeline gets the KV layout the backend runs on the target (runtime.backends)."""
+    check_output(output)  # a file or someone's directory is refused now, not replaced after compiling
     entry = get_backend(backend)
     if entry.compiler is None:
         raise LlmlowerError(f"--backend {backend}: {entry.summary}; compile with one of onnx, tvm")
@@ -130,15 +138,24 @@ def text_perplexity(
     position's logits: no last_token_logits), or under an artifact compiled that way (the pipeline is then
     the artifact's). The window is capped at the model's context; the stride defaults to half the window.
     Returns the result and the passes that ran (name, options, stats)."""
+    if stride is not None:
+        check_window(window, stride)  # before the model loads
+    elif window < 2:
+        check_window(window, 1)
     if is_artifact(model):
         engine = Engine.load(model, EngineConfig(max_num_seqs=1, max_context=window))
         executor, tokenizer, history = engine.executor, engine.tokenizer, read_manifest(model, verify=False)["pipeline"]
-        window = min(window, executor.max_context)
+        context = executor.max_context
     else:
         loaded, program = compile_program(model, pipeline, dtype=dtype, kv_layout=KVLayout.PAGED)
-        window = min(window, program.spec.max_positions)
-        executor, tokenizer = TorchExecutor(program, max_context=window), tokenizer_of(loaded)
+        context = program.spec.max_positions
+        executor, tokenizer = TorchExecutor(program, max_context=min(window, context)), tokenizer_of(loaded)
         history = [record.to_dict() for record in program.history]
+    note = ""
+    if window > context:
+        window, note = context, f" (--window {window} is capped at the model's context of {context} tokens)"
+    stride = stride or window // 2
+    check_window(window, stride, note)
     ids = tokenizer.encode(text, add_special_tokens=False)
-    result = perplexity(executor.prompt_logits, ids, window=window, stride=stride or window // 2)
+    result = perplexity(executor.prompt_logits, ids, window=window, stride=stride)
     return result, history

@@ -19,3 +19,8 @@ class PassError(LlmlowerError):
 
 class GenerationError(LlmlowerError):
     """A generation request cannot be served (e.g. the prompt is longer than the context)."""
+
+
+class ArgumentError(LlmlowerError, ValueError):
+    """An argument (a command-line flag, an API parameter) has a value outside its range; the message names the
+    flag and the value (`--stride 128: ...`)."""

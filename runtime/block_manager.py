@@ -323,11 +323,13 @@ def kv_pool_blocks(
     else:
         blocks = max_num_seqs * -(-max_context // block_size)
     if blocks < 1:
-        raise GenerationError(f"the KV pool needs at least one block ({block_bytes:,} bytes); got {blocks} blocks")
+        given = f"--kv-cache-memory {kv_cache_memory}: " if num_blocks is None and kv_cache_memory is not None else ""
+        raise GenerationError(f"{given}the KV pool needs at least one block ({block_bytes:,} bytes), got {blocks}")
     available = available_memory() if on_host else None
     if available is not None and blocks * block_bytes > available:
         raise GenerationError(
             f"a KV pool of {blocks:,} blocks needs {blocks * block_bytes / 2**30:.2f} GiB; this machine has "
-            f"{available / 2**30:.2f} GiB available: lower --kv-cache-memory, --num-blocks or --max-num-seqs"
+            f"{available / 2**30:.2f} GiB available: lower --kv-cache-memory, --num-blocks, --max-num-seqs or "
+            "--max-context (generate sizes it for --n full contexts)"
         )
     return blocks

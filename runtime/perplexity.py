@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ArgumentError
+
 Scorer = Callable[[Sequence[int]], np.ndarray]  # token ids -> logits [len(ids), vocab]
 
 
@@ -30,12 +32,22 @@ def _token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return log_norm - logits[np.arange(len(targets)), targets]
 
 
+def check_window(window: int, stride: int, note: str = "") -> None:
+    """Refuse a window of fewer than 2 tokens and a stride outside [1, window - 1] (windows must overlap: a
+    window's first scored token needs one before it), naming the flag (`note` says where the window came from)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise ArgumentError(f"--window {window!r}: a window needs at least 2 tokens{note}")
+    if isinstance(stride, bool) or not isinstance(stride, int) or not 0 < stride < window:
+        raise ArgumentError(
+            f"--stride {stride!r}: stride must be in [1, window - 1 = {window - 1}], so that windows overlap{note}"
+        )
+
+
 def perplexity(score: Scorer, token_ids: Sequence[int], window: int = 512, stride: int = 256) -> PerplexityResult:
-    if not 0 < stride < window:  # windows must overlap: a window's first scored token needs one before it
-        raise ValueError(f"stride must be in [1, window - 1 = {window - 1}], got {stride}")
+    check_window(window, stride)
     ids = np.asarray(token_ids, dtype=np.int64)
     if len(ids) < 2:
-        raise ValueError("perplexity needs at least 2 tokens")
+        raise ArgumentError(f"--text: {len(ids)} token(s); perplexity needs at least 2 tokens")
     total, scored, scored_until = 0.0, 0, 1  # token 0 is never predicted
     for begin in range(0, len(ids) - 1, stride):
         end = min(begin + window, len(ids))

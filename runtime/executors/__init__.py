@@ -3,9 +3,11 @@ backend and KV layout, and runtime.backends says which executor runs them."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+from ...errors import ArgumentError
 from ...step_io import KVLayout
 from ..artifact import MANIFEST, ArtifactError
 from ..backends import BACKENDS, load_symbol
@@ -21,7 +23,12 @@ def load_executor(
     threads: int = 0,
 ) -> Executor:
     """The executor of the artifact's backend and KV layout, loaded from the artifact's files, with a KV pool
-    of num_blocks blocks of block_size positions and sequences of up to max_context tokens."""
+    of num_blocks blocks of block_size positions and sequences of up to max_context tokens; `threads` intra-op
+    threads (0: the backend's default, one per core; more than this machine's CPUs is refused: each thread
+    is created, and thousands of them exhaust memory)."""
+    cpus = os.cpu_count() or 1
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= cpus:
+        raise ArgumentError(f"--threads {threads!r}: expected 0 (one per core) to {cpus} (this machine's CPUs)")
     backend = BACKENDS.get(manifest.get("backend"))
     layout = manifest.get("kv_layout", {}).get("kind")
     try:

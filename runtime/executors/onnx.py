@@ -94,13 +94,20 @@ class OnnxSlotExecutor(Executor):
         profile: bool = False,
     ) -> None:
         options = session_options(threads, optimization, profile)
-        self.session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        except Exception as error:  # onnxruntime's own errors (a truncated or foreign model), as one type
+            name = model if isinstance(model, str) else "the model"
+            raise GenerationError(f"{name}: onnxruntime cannot load it: {error}") from None
         self.block_size, self.max_context = block_size, max_context
         per_slot = self.blocks_per_slot
         self.num_blocks = num_blocks or DEFAULT_SEQUENCES * per_slot
         slots = self.num_blocks // per_slot
         if slots < 1:
-            raise GenerationError(f"{self.num_blocks} KV blocks do not hold one sequence of {max_context} tokens")
+            raise GenerationError(
+                f"a KV pool of {self.num_blocks} blocks (--num-blocks, --kv-cache-memory) does not hold one sequence "
+                f"of {max_context} tokens ({per_slot} blocks of {block_size}): raise it or lower --max-context"
+            )
         self.caches: dict[str, np.ndarray] = {}
         for spec in self.session.get_inputs():
             if cache_layer(spec.name) is not None:
