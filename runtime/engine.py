@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -130,6 +130,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     steps: int
+    finished: dict[str, int]  # completions finished, by reason: "stop", "length" or "abort"
 
 
 @dataclass(eq=False)
@@ -189,6 +190,7 @@ class Engine:
         self._request_ids = itertools.count()
         self._driver = threading.Lock()
         self.prompt_tokens = self.generation_tokens = self.steps = 0
+        self.finished: Counter[str] = Counter()
 
     @classmethod
     def load(
@@ -269,6 +271,7 @@ class Engine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             steps=self.steps,
+            finished=dict(self.finished),
         )
 
     # ---------------------------------------------------------------- batch calls
@@ -400,6 +403,7 @@ class Engine:
         for sequence in request.sequences:
             if not sequence.finished:
                 sequence.finished = True
+                self.finished["abort"] += 1
                 if sequence not in request.forks:
                     self.scheduler.remove(sequence)
         request.forks = []
@@ -483,6 +487,7 @@ class Engine:
                 sequence.finished = True
                 self.scheduler.remove(sequence)
                 out.result = self._result(sequence)
+                self.finished[out.result.finish_reason] += 1
             if request.outbox is not None:
                 request.outbox.append(out)
             else:

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from ..runtime import EngineStats, GenerationResult
 
 PREFIX = "llmlower:"
+FINISH_REASONS = ("stop", "length", "abort")  # vLLM's request_success_total labels
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 
@@ -50,6 +51,12 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, text, labels=labels[0])
             counter.add_metric(labels[1], value)
             yield counter
+        finished = CounterMetricFamily(
+            PREFIX + "request_success", "completions finished, by reason", labels=[*labels[0], "finished_reason"]
+        )
+        for reason in FINISH_REASONS:
+            finished.add_metric([*labels[1], reason], stats.finished.get(reason, 0))
+        yield finished
 
 
 class Metrics:

@@ -60,9 +60,10 @@ def serving(artifact: Path, *flags: str, log: Path) -> Iterator[tuple[str, subpr
 
 
 @pytest.fixture(scope="module")
-def artifact(tiny_llama, tmp_path_factory) -> Path:
+def artifact(long_llama, tmp_path_factory) -> Path:
+    """A tiny Llama with 1,024 positions: long enough that a request outlives its client's disconnect."""
     out = tmp_path_factory.mktemp("serve") / "tiny-onnx"
-    assert main(["compile", str(tiny_llama), "-o", str(out)]) == 0
+    assert main(["compile", str(long_llama), "-o", str(out)]) == 0
     return out
 
 
@@ -79,9 +80,13 @@ def _client(url: str, key: str = KEY) -> openai.OpenAI:
 
 
 def _metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics by name (labels dropped: one model)."""
+    """Every sample of /metrics by name (the model label dropped: one model), finish reasons as `name{reason}`."""
     text = httpx.get(f"{url}/metrics").text
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = (s for family in text_string_to_metric_families(text) for s in family.samples)
+    return {
+        s.name + (f"{{{s.labels['finished_reason']}}}" if "finished_reason" in s.labels else ""): s.value
+        for s in samples
+    }
 
 
 def _wait_idle(url: str, timeout: float = 30) -> dict[str, float]:
@@ -185,17 +190,18 @@ def test_completions_and_chat_in_their_own_formats(server):
 
 
 def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
-    """20 streaming clients that leave after two chunks, and 5 non-streaming ones that give up: their requests
-    are aborted (far fewer tokens generated than asked for), KV usage goes back to 0, the next requests are right."""
+    """20 streaming clients that leave after two chunks, and 5 non-streaming ones (n = 8) that give up: their 60
+    completions are aborted (counted as such, far fewer tokens generated than asked for), KV usage goes back to 0,
+    the next requests are right."""
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "tell me"}],
-        "max_tokens": 100,
+        "max_tokens": 900,
         "ignore_eos": True,
         "stream": True,
     }
     headers = {"Authorization": f"Bearer {KEY}"}
-    before = _wait_idle(server)["llmlower:generation_tokens_total"]
+    before = _wait_idle(server)
     with httpx.Client(base_url=server, headers=headers, timeout=60) as http:
         for _ in range(20):
             with http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -209,7 +215,9 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
             )
     values = _wait_idle(server)
     assert values["llmlower:kv_cache_usage_perc"] == 0 and values["llmlower:num_requests_running"] == 0
-    assert values["llmlower:generation_tokens_total"] - before < (20 + 5 * 8) * 100 / 2
+    aborted = values["llmlower:request_success_total{abort}"] - before["llmlower:request_success_total{abort}"]
+    assert aborted == 20 + 5 * 8
+    assert values["llmlower:generation_tokens_total"] - before["llmlower:generation_tokens_total"] < 60 * 900 / 4
     assert _one_by_one(server, QUESTIONS[:3]) == _one_by_one(server, QUESTIONS[:3])
 
 
@@ -274,7 +282,7 @@ BAD_REQUESTS = [  # (what, path, body or raw bytes, headers, status, param, code
     (
         "prompt beyond the context",
         "/v1/completions",
-        {"prompt": "fox " * 200},
+        {"prompt": "fox " * 1100},
         {},
         400,
         "prompt",
@@ -283,7 +291,7 @@ BAD_REQUESTS = [  # (what, path, body or raw bytes, headers, status, param, code
     (
         "max_tokens beyond the context",
         "/v1/chat/completions",
-        {"max_tokens": 500},
+        {"max_tokens": 1100},
         {},
         400,
         "messages",
@@ -340,6 +348,7 @@ def test_metrics_parse_and_move_with_the_traffic(server):
     assert moved["llmlower:e2e_request_latency_seconds_count"] == 2
     assert moved["llmlower:request_queue_time_seconds_count"] == 2
     assert moved["llmlower:inter_token_latency_seconds_count"] == 8  # 4 gaps per completion
+    assert moved["llmlower:request_success_total{length}"] == 2 and moved["llmlower:request_success_total{abort}"] == 0
     assert "llmlower:num_preemptions_total" in after
     assert httpx.get(f"{server}/metrics").status_code == 200  # no API key needed
 
