@@ -12,6 +12,7 @@ from rich.console import Console
 
 from . import progress
 from .errors import LlmlowerError
+from .runtime import EngineConfig
 from .runtime.backends import BACKENDS
 
 MODEL_HELP = "a checkpoint directory, a .gguf file, 'example' (SmolLM2-135M-Instruct) or (generate) an artifact"
@@ -69,11 +70,11 @@ def _engine_config(args: argparse.Namespace, sequences: int) -> Any:
     """The serving limits from --max-num-seqs (default `sequences`, what the command runs at once: the KV pool
     is sized for that many full contexts), --max-num-batched-tokens, --max-context, --block-size, --num-blocks,
     --kv-cache-memory and --no-prefix-caching."""
-    from .runtime import EngineConfig
-
+    max_num_seqs = args.max_num_seqs or sequences
     return EngineConfig(
-        max_num_seqs=args.max_num_seqs or sequences,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        # unless given, a step's budget holds one token of every sequence (--n 300: 300 sequences at once)
+        max_num_batched_tokens=args.max_num_batched_tokens or max(DEFAULT_STEP_TOKENS, max_num_seqs),
         max_context=args.max_context,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
@@ -179,6 +180,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 SERVE_SEQUENCES = 16  # the server's max_num_seqs unless --max-num-seqs
+DEFAULT_STEP_TOKENS = EngineConfig.max_num_batched_tokens
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -190,10 +192,19 @@ def _serve(args: argparse.Namespace) -> int:
         from .serve import ServerConfig, run
     except ImportError as error:
         raise LlmlowerError(f"serve needs the serve extra (pip install 'llmlower[serve]'): {error}") from None
-    engine = _engine(args, sequences=SERVE_SEQUENCES)
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
     api_key = args.api_key or os.environ.get("LLMLOWER_API_KEY")
     config = ServerConfig(name, api_key, args.max_waiting, args.max_body_bytes)
+    if args.replicas > 1:
+        try:
+            from .serve.replicas import run_replicas
+        except ImportError as error:
+            message = f"--replicas needs the replicas extra (pip install 'llmlower[replicas]'): {error}"
+            raise LlmlowerError(message) from None
+        options = {"host": args.host, "port": args.port, "threads": args.threads, "drain_timeout": args.drain_timeout}
+        run_replicas(args.model, _engine_config(args, SERVE_SEQUENCES), config, args.replicas, **options)
+        return 0
+    engine = _engine(args, sequences=SERVE_SEQUENCES)
     run(engine, config, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     return 0
 
@@ -266,7 +277,10 @@ def _perplexity(args: argparse.Namespace) -> int:
     path = Path(args.text)
     if not path.is_file():
         raise LlmlowerError(f"{path}: --text file not found")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise LlmlowerError(f"{path}: --text is not UTF-8 text ({error})") from None
     _check_artifact_options(args)
     pipeline = _pipeline(args, all_logits=True)
     result, history = text_perplexity(
@@ -387,7 +401,9 @@ def _add_serving_options(parser: argparse.ArgumentParser, default_seqs: str) -> 
     serving = parser.add_argument_group("serving (continuous batching, paged KV cache)")
     serving.add_argument("--max-num-seqs", type=int, help=f"sequences per step (default: {default_seqs})")
     serving.add_argument(
-        "--max-num-batched-tokens", type=int, default=128, help="tokens per step, prompt chunks + decodes (default 128)"
+        "--max-num-batched-tokens",
+        type=int,
+        help=f"tokens per step, prompt chunks + decodes (default {DEFAULT_STEP_TOKENS}, or --max-num-seqs if more)",
     )
     serving.add_argument(
         "--block-size", type=int, help="KV block size in tokens (default 16; fixed by a paged artifact)"
@@ -492,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting", type=int, default=256, help="sequences waiting before new requests get 429")
     srv.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20, help="larger request bodies get 413")
     srv.add_argument("--drain-timeout", type=int, default=30, help="seconds running requests get after SIGTERM")
+    srv.add_argument(
+        "--replicas", type=int, default=1, help="N replicas on Ray Serve, each its own engine (artifacts; RAY_ADDRESS)"
+    )
     _add_serving_options(srv, f"{SERVE_SEQUENCES}")
     srv.set_defaults(run=_serve)
 
@@ -507,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lowest = {
         "port": 1,
+        "replicas": 1,
         "max_waiting": 0,
         "max_body_bytes": 1,
         "drain_timeout": 0,

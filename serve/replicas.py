@@ -18,24 +18,25 @@ that confines them.
 
 Each replica reserves `threads` of Ray's CPUs and runs its executor with that many intra-op threads (default:
 the cluster's CPUs split evenly, at most one node's worth), plus one GPU for a CUDA artifact. Serve's
-max_ongoing_requests is set to what the app admits itself (max_num_seqs + max_waiting sequences), so a replica
-that is full answers 429 as `llmlower serve` does; requests above every replica's limit wait in Ray's proxy.
+max_ongoing_requests is what the app admits itself (max_num_seqs + max_waiting), so a full replica answers 429
+as `llmlower serve` does (the app counts sequences, n of them per request); requests beyond every replica's
+max_ongoing_requests wait in Ray's proxy.
 
-/health, /metrics and the rest behind Ray's proxy: every request reaches ONE replica, chosen by Ray's router
-(the less loaded of two random ones), so
-- /health says that the replica that answered is up; Ray health-checks every replica itself (its actor, every
-  10 s) and replaces dead ones, and the proxy's own `/-/healthz` says the proxy is up (`/-/routes` lists the
-  apps). During a shutdown Ray stops routing to a replica before it drains it, so the app's 503 `draining`
-  answer is not seen through the proxy; running requests get Serve's graceful_shutdown_timeout_s (drain_timeout).
-- /metrics is the answering replica's engine only (its queue, its KV pool, its counters), not the sum over the
-  replicas; the x-llmlower-replica header says whose. Scrape each replica's numbers by repeating the request
-  until every id was seen, or use Ray's own per-replica metrics (ray_serve_*, on each node's metrics export
-  port) for request counts and latencies across the deployment.
-- Prefix caches and KV pools are per replica: two requests sharing a prefix reuse it only when they land on
-  the same replica.
+/health, /metrics and the rest behind Ray's proxy: every request reaches ONE replica, the one Ray's router picks
+(the less loaded of two random ones, same node first), so
+- /health says that the replica that answered is up. Ray health-checks every replica itself (every 10 s) and
+  replaces one that stops answering; the proxy's own `/-/healthz` says the proxy is up, `/-/routes` lists the
+  apps. The app's 503 "draining" comes from uvicorn's signal handling (server.py), which Ray does not run: a
+  replica that stops is first taken out of the routing, then its running requests get graceful_shutdown_timeout_s
+  (drain_timeout), then its lifespan closes the engine.
+- /metrics is the answering replica's engine only (its queue, its KV pool, its counters), not a sum over the
+  replicas; the x-llmlower-replica header says whose. Ask until every replica id has answered to see them all,
+  or scrape Ray's own metrics (ray_serve_* per replica: requests, errors, latencies) from its metrics export.
+- Prefix caches and KV pools are per replica: a prompt prefix is reused only by requests that land on the
+  replica that cached it.
 
 SIGINT or SIGTERM stops a blocking run: the app is deleted (Serve shut down, and Ray with it, when the instance
-was started here), replicas finish their running requests within drain_timeout.
+was started here) and running requests finish within drain_timeout; a second signal cuts the drain short.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import ray
@@ -154,32 +156,71 @@ def run_replicas(
     target = str(read_manifest(path, verify=False)["target"])  # each replica verifies the files' hashes
     gpus = 1 if target.split(maxsplit=1)[0] == "cuda" else 0
 
+    if blocking and threading.current_thread() is not threading.main_thread():
+        raise LlmlowerError("run_replicas(blocking=True) waits for signals: call it from the main thread")
+
     connected_here, local = _connect(address)
+    serving, stop = threading.Event(), threading.Event()
+    previous = _on_signals(serving, stop) if blocking else {}  # after ray.init, which sets its own
     try:
-        cpus = threads or _even_share(replicas)
-        if local:
-            _check_fits(replicas, cpus, gpus)
-        serve.start(http_options={"host": host, "port": port})
-        deployment = serve.deployment(
-            Replica,
-            name=APP_NAME,
-            num_replicas=replicas,
-            ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
-            max_ongoing_requests=engine_config.max_num_seqs + server_config.max_waiting,
-            graceful_shutdown_timeout_s=drain_timeout,
-        )
-        app = deployment.bind(str(path), engine_config, server_config, cpus)
-        handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-    except BaseException as error:
-        RunningReplicas("", None, connected_here, local).shutdown()
-        if isinstance(error, Exception) and not isinstance(error, LlmlowerError):
-            raise LlmlowerError(f"the replicas did not start: {error}") from error
-        raise
-    running = RunningReplicas(f"http://{_url_host(host)}:{port}", handle, connected_here, local)
-    if not blocking:
-        return running
-    _serve_until_signalled(running, replicas)
-    return None
+        try:
+            cpus = threads or _even_share(replicas)
+            if local:
+                _check_fits(replicas, cpus, gpus)
+            serve.start(http_options={"host": host, "port": port})
+            deployment = serve.deployment(
+                Replica,
+                name=APP_NAME,
+                num_replicas=replicas,
+                ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
+                max_ongoing_requests=engine_config.max_num_seqs + server_config.max_waiting,
+                graceful_shutdown_timeout_s=drain_timeout,
+            )
+            app = deployment.bind(str(path), engine_config, server_config, cpus)
+            handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        except BaseException as error:
+            why = _why_not_started(error) if isinstance(error, Exception) else ""
+            RunningReplicas("", None, connected_here, local).shutdown()
+            if isinstance(error, Exception) and not isinstance(error, LlmlowerError):
+                raise LlmlowerError(f"the replicas did not start: {why}") from error
+            raise
+        running = RunningReplicas(f"http://{_url_host(host)}:{port}", handle, connected_here, local)
+        if not blocking:
+            return running
+        serving.set()
+        print(f"llmlower: {replicas} replicas serving at {running.url} (Ray Serve); Ctrl-C stops", file=sys.stderr)
+        while not stop.wait(1.0):
+            pass
+        running.shutdown()  # replicas drain; a second signal cuts it short
+        return None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _on_signals(serving: threading.Event, stop: threading.Event) -> dict[int, Any]:
+    """SIGINT/SIGTERM: while starting, interrupt (KeyboardInterrupt, which shuts down what started); while
+    serving, stop (drain); while draining, interrupt the drain. Returns the handlers they replace."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if serving.is_set() and not stop.is_set():
+            stop.set()
+        else:
+            raise KeyboardInterrupt
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _why_not_started(error: Exception) -> str:
+    """Why the deployment failed: the last line of each failing deployment's message (a replica constructor's
+    exception, e.g. an artifact file whose hash does not match), else the error itself."""
+    try:
+        status = serve.status().applications.get(APP_NAME)
+        messages = [d.message for d in status.deployments.values()] if status else []
+    except Exception:  # Serve itself did not start: its error says why
+        messages = []
+    reasons = [message.strip().splitlines()[-1] for message in messages if message and message.strip()]
+    return "; ".join(reasons) or str(error)
 
 
 def _connect(address: str | None) -> tuple[bool, bool]:
@@ -219,16 +260,3 @@ def _url_host(host: str) -> str:
     if host in ("0.0.0.0", "::", ""):
         return "127.0.0.1"
     return f"[{host}]" if ":" in host else host
-
-
-def _serve_until_signalled(running: RunningReplicas, replicas: int) -> None:
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    print(f"llmlower: {replicas} replicas serving at {running.url} (Ray Serve); Ctrl-C stops", file=sys.stderr)
-    try:
-        while not stop.wait(1.0):
-            pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        running.shutdown()
