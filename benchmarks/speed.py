@@ -7,13 +7,18 @@ example's Q4_1 GGUF) where their setup.sh has been run. Same token sequences eve
 N new tokens (greedy, EOS ignored), tokens/s as the median over repeats. TTFT: prefill of a 13-token and a
 512-token prompt, median.
 
+Each row's bandwidth roof: the bytes one decoded token reads (weights + the KV cache at the decode's mean
+context; llmlower rows from the roofline cost model on the row's own pipeline, peers from their model files)
+against this machine's measured memory bandwidth (llmlower.roofline.ceilings, cached; --remeasure).
+
     .venv/bin/python benchmarks/speed.py [--model example] [--new-tokens 128] [--repeats 3] [--threads N]
-        [--artifacts DIR] [--only NAME,...] [--json FILE]
+        [--artifacts DIR] [--only NAME,...] [--json FILE] [--remeasure]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -21,18 +26,28 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
 import numpy as np
+import onnx
 import torch
 from artifacts import ensure_artifact
 from transformers import DynamicCache
 
-from llmlower.api import compile_program, tokenizer_of
+from llmlower.api import tokenizer_of
 from llmlower.backends.torch import TorchExecutor
+from llmlower.frontend import capture, load, resolve_model
 from llmlower.frontend.example import cache_dir
+from llmlower.ir.program import Program
+from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
+from llmlower.roofline import decode_read_bytes, machine_ceilings
+from llmlower.roofline.study import ABOVE_ROOF_NOTE, artifact_passes
 from llmlower.runtime import Engine, Executor, StepBatch, sequential_block_tables
+from llmlower.runtime.artifact import read_manifest
+from llmlower.spec import ModelSpec
 
 PEERS = Path(__file__).parent / "peers"
 # row -> (artifact directory name, build_pipeline options). The last row reads what onnxruntime-genai's
@@ -46,6 +61,9 @@ ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline op
     "tvm q4g32": ("tvm-q4g32", "tvm", {"quant": "q4g32"}),
 }
 PROMPT_TOKENS = (13, 512)
+GENAI = "onnxruntime-genai int4"
+# ONNX ops that read one row of a constant table per token (the embedding, GroupQueryAttention's cos/sin caches)
+GATHERING_OPS = {"Gather", "GatherBlockQuantized", "GroupQueryAttention"}
 FILLER = (
     "Compilers for language models capture a graph, rewrite it with passes and lower it to kernels. "
     "The runtime keeps a cache of keys and values so that each new token reads the past once. "
@@ -127,11 +145,68 @@ def peer(name: str, model: Path, prompts: dict[int, list[int]], new_tokens: int,
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def decode_context(new_tokens: int) -> int:
+    """The mean context of the decode loop after the short prompt: its KV reads grow linearly with the context."""
+    return PROMPT_TOKENS[0] + new_tokens // 2
+
+
+def artifact_read_bytes(captured: Program, directory: Path, context: int) -> int:
+    """Bytes per decoded token of the artifact in `directory`: its manifest's pipeline replayed on the captured
+    model and costed by the roofline cost model."""
+    program = run_pipeline(copy.deepcopy(captured), artifact_passes(read_manifest(directory)))
+    return decode_read_bytes(program, context)
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """Bytes of an ONNX initializer from its shape and element type (its data may be in an external file)."""
+    itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    return int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+
+
+def onnx_weight_reads(model: onnx.ModelProto) -> int:
+    """Bytes of an ONNX model's initializers one decoded token reads: each in full, except a table only
+    gathered from, of which it reads one row."""
+    consumers = defaultdict(set)
+    for node in model.graph.node:
+        for name in node.input:
+            consumers[name].add(node.op_type)
+    total = 0
+    for tensor in model.graph.initializer:
+        size = _tensor_bytes(tensor)
+        gathered = tensor.dims and consumers[tensor.name] <= GATHERING_OPS
+        total += size // tensor.dims[0] if gathered else size
+    return total
+
+
+def ortgenai_read_bytes(model_dir: Path, spec: ModelSpec, context: int) -> int:
+    """Bytes per decoded token of an ONNX Runtime GenAI model: its weights plus the KV cache at `context`
+    positions in the dtype of its past_key_values inputs."""
+    model = onnx.load(model_dir / "model.onnx", load_external_data=False)
+    past = next(i for i in model.graph.input if i.name.startswith("past_key_values"))
+    kv_dtype = onnx.helper.tensor_dtype_to_np_dtype(past.type.tensor_type.elem_type).name
+    return onnx_weight_reads(model) + spec.kv_cache_bytes(context, dtype=kv_dtype)
+
+
+def llamacpp_read_bytes(path: Path, spec: ModelSpec, context: int) -> int:
+    """Bytes per decoded token of a GGUF on llama.cpp: every tensor (the token embedding table only one row
+    when the model has a separate output tensor; tied, it is the LM head) plus an f16 KV cache (llama-cpp-python's
+    default) at `context` positions."""
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    total = sum(int(t.n_bytes) for t in tensors.values())
+    table = tensors.get("token_embd.weight")
+    if table is not None and "output.weight" in tensors:
+        total -= int(table.n_bytes) - int(table.n_bytes) // int(table.shape[-1])
+    return total + spec.kv_cache_bytes(context, dtype="float16")
+
+
+PEER_READS = {"ortgenai": ortgenai_read_bytes, "llamacpp": llamacpp_read_bytes}
+
+
 def peer_models() -> dict[str, tuple[str, Path]]:
     """Peer rows whose setup.sh has been run: row name -> (runner, model path)."""
     cache = cache_dir()
     candidates = {
-        "onnxruntime-genai int4": ("ortgenai", cache / "peers" / "ortgenai-int4"),
+        GENAI: ("ortgenai", cache / "peers" / "ortgenai-int4"),
         "llama.cpp Q4_1": ("llamacpp", cache / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
     }
     return {
@@ -151,24 +226,36 @@ def main() -> None:
     parser.add_argument("--rebuild", action="store_true", help="compile the artifacts even if present")
     parser.add_argument("--only", help="comma-separated row names to run (default: all)")
     parser.add_argument("--json", help="also write the table to this file")
+    parser.add_argument(
+        "--remeasure", action="store_true", help="measure the memory bandwidth again, not from the cache"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     artifacts = args.artifacts or cache_dir() / "bench" / Path(args.model).name
+    ceilings = machine_ceilings("cpu", remeasure=args.remeasure)
 
-    loaded, program = compile_program(args.model)
+    loaded = load(resolve_model(args.model))
+    captured = capture(loaded)
+    program = run_pipeline(copy.deepcopy(captured), DEFAULT_PIPELINE)
     filler = tokenizer_of(loaded).encode(FILLER * 64, add_special_tokens=False)
     prompts = {n: filler[:n] for n in PROMPT_TOKENS}
     context = max(PROMPT_TOKENS) + args.new_tokens + 1
+    read_context = decode_context(args.new_tokens)
 
     engines: dict[str, Callable[[], tuple[Prefill, Decode]]] = {
         "transformers eager fp32": lambda: transformers_eager(loaded.module),
         "llmlower torch fp32": lambda: llmlower_executor(TorchExecutor(program, max_context=context)),
     }
+    # row -> bytes a decoded token reads; transformers eager reads the same fp32 weights and KV cache as ours
+    reads: dict[str, Callable[[], int]] = dict.fromkeys(engines, lambda: decode_read_bytes(program, read_context))
     for row, (name, backend, options) in ARTIFACTS.items():
         engines[row] = lambda b=backend, o=options, d=artifacts / name: artifact(
             args.model, b, o, d, args.threads, context, args.rebuild
         )
+        reads[row] = lambda d=artifacts / name: artifact_read_bytes(captured, d, read_context)
     peers = peer_models() if args.model == "example" else {}
+    for row, (runner, path) in peers.items():
+        reads[row] = lambda r=runner, p=path: PEER_READS[r](p, loaded.spec, read_context)
     wanted = set(args.only.split(",")) if args.only else set(engines) | set(peers)
     rows = {}
     for name, make in engines.items():
@@ -179,28 +266,45 @@ def main() -> None:
         if name in wanted:
             print(f"[speed] {name}", file=sys.stderr)
             rows[name] = peer(runner, path, prompts, args.new_tokens, args.repeats, args.threads)
-    print_table(rows, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-
-
-def print_table(rows: dict[str, dict], args: argparse.Namespace) -> None:
-    """Rows with decode tok/s, its ratio to the first row, and TTFT in ms."""
-    baseline_name = next(iter(rows))
-    baseline = rows[baseline_name]["decode_tokens_per_s"]
-    print(f"{args.threads} threads, batch 1, {args.new_tokens} new tokens, median of {args.repeats}")
-    print(f"{'engine':<26} {'decode tok/s':>12} {'vs first':>9} {'TTFT 13 ms':>11} {'TTFT 512 ms':>12}")
     for name, row in rows.items():
+        row.update(bandwidth_roof(row["decode_tokens_per_s"], reads[name](), ceilings.bandwidth))
+        row["vs_genai"] = row["decode_tokens_per_s"] / rows[GENAI]["decode_tokens_per_s"] if GENAI in rows else None
+    print_table(rows, args, ceilings.bandwidth, read_context)
+    if args.json:
+        machine = {"description": ceilings.description, "bandwidth_bytes_per_s": ceilings.bandwidth}
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "decode_context": read_context, "rows": rows}, f, indent=2)
+
+
+def bandwidth_roof(tokens_per_s: float, bytes_per_token: int, bandwidth: float) -> dict[str, float]:
+    """A row's bandwidth roof: the tokens/s reading `bytes_per_token` per token at `bandwidth` allows, and the
+    row's measured tokens/s as a % of it."""
+    roof = bandwidth / bytes_per_token
+    return {"bytes_per_token": bytes_per_token, "roof_tokens_per_s": roof, "roof_pct": 100 * tokens_per_s / roof}
+
+
+def print_table(rows: dict[str, dict], args: argparse.Namespace, bandwidth: float, read_context: int) -> None:
+    """Rows with decode tok/s, its ratio to the first row and to GenAI's, bytes per token, the bandwidth roof
+    and the % of it reached, and TTFT in ms; then a warning for rows above their roof."""
+    baseline = next(iter(rows.values()))["decode_tokens_per_s"]
+    print(f"{args.threads} threads, batch 1, {args.new_tokens} new tokens, median of {args.repeats}")
+    print(
+        f"roof = {bandwidth / 1e9:.1f} GB/s (measured) / bytes a token reads (weights + KV at context {read_context})"
+    )
+    print(
+        f"{'engine':<26} {'decode tok/s':>12} {'vs first':>9} {'vs GenAI':>9} {'MB/token':>9} {'roof tok/s':>10} "
+        f"{'% of roof':>9} {'TTFT 13 ms':>11} {'TTFT 512 ms':>12}"
+    )
+    for name, row in rows.items():
+        vs_genai = "–" if row["vs_genai"] is None else f"{row['vs_genai']:.2f}x"
         print(
             f"{name:<26} {row['decode_tokens_per_s']:>12.1f} {row['decode_tokens_per_s'] / baseline:>8.2f}x "
-            f"{row['ttft_13_s'] * 1000:>11.0f} {row['ttft_512_s'] * 1000:>12.0f}"
+            f"{vs_genai:>9} {row['bytes_per_token'] / 1e6:>9.1f} {row['roof_tokens_per_s']:>10.1f} "
+            f"{row['roof_pct']:>8.0f}% {row['ttft_13_s'] * 1000:>11.0f} {row['ttft_512_s'] * 1000:>12.0f}"
         )
-    ours, theirs = rows.get("onnx q4g32"), rows.get("onnxruntime-genai int4")
-    if ours and theirs:
-        print(
-            f"onnx q4g32 vs onnxruntime-genai int4: {ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x"
-        )
+    above = [name for name, row in rows.items() if row["roof_pct"] > 100]
+    if above:
+        print(f"⚠ {'; '.join(above)}: {ABOVE_ROOF_NOTE}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 times, and a report (markdown, JSON, plots) of what each pass pipeline moved."""
 
 from .ceilings import Ceilings, machine_ceilings
-from .cost import NodeCost, StepCost, step_cost
+from .cost import NodeCost, StepCost, decode_read_bytes, step_cost
 from .shapes import Step, decode_step, prefill_step
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "NodeCost",
     "Step",
     "StepCost",
+    "decode_read_bytes",
     "decode_step",
     "machine_ceilings",
     "prefill_step",

@@ -3,19 +3,22 @@ this machine (CPU, or the local GPU) and cached, or a datasheet GPU selected by 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import LlmlowerError
 from ..frontend.example import cache_dir
+from ..ir.quant import QuantScheme, quantize
 from ..progress import stage
 
 T = 1e12
@@ -70,36 +73,116 @@ class Ceilings:
         return asdict(self)
 
 
-def _best_seconds(run: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
-    """Fastest of `repeats` timed runs, after one warm-up."""
-    run()
+# How the ceilings are measured; a cached measurement made another way (torch._int_mm for int8, single trials)
+# is measured again.
+METHOD = "v2: int8 = onnxruntime MatMulNBits accuracy_level 4; best of 5 trials, each a median of 3 runs"
+TRIALS, RUNS = 5, 3
+NBITS_GROUP = 32  # the int8 probes' quantization group: q4g32's and q8's
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One ceiling's benchmark: `run` does `work` operations (or moves `work` bytes) each call."""
+
+    work: float
+    run: Callable[[], Any]
+
+
+def best_rates(
+    probes: dict[str, Probe], sync: Callable[[], None], trials: int = TRIALS, runs: int = RUNS
+) -> dict[str, float]:
+    """Work per second of each probe: the best of `trials` trials, each the median of `runs` timed runs (after
+    one warm-up). The trials take the probes in turn, so a busy moment of a shared machine lowers one trial of
+    each probe rather than every trial of one."""
+    for probe in probes.values():
+        probe.run()
     sync()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        sync()
-        best = min(best, time.perf_counter() - started)
+    best = dict.fromkeys(probes, 0.0)
+    for _ in range(trials):
+        for name, probe in probes.items():
+            seconds = []
+            for _ in range(runs):
+                started = time.perf_counter()
+                probe.run()
+                sync()
+                seconds.append(time.perf_counter() - started)
+            best[name] = max(best[name], probe.work / statistics.median(seconds))
     return best
 
 
-def _matmul_rate(n: int, dtype: torch.dtype, device: str, sync: Callable[[], None]) -> float:
-    """Operations per second of an n x n x n matmul (int8 through torch._int_mm, int32 accumulate)."""
+def torch_matmul_probe(n: int, dtype: torch.dtype, device: str) -> Probe:
+    """An n x n x n matmul in `dtype` (int8 through torch._int_mm, int32 accumulate: cuBLAS on a GPU)."""
     if dtype is torch.int8:
         a = torch.randint(-128, 127, (n, n), dtype=dtype, device=device)
         b = torch.randint(-128, 127, (n, n), dtype=dtype, device=device)
-        seconds = _best_seconds(lambda: torch._int_mm(a, b), 5, sync)
-    else:
-        a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-        seconds = _best_seconds(lambda: torch.mm(a, b), 5, sync)
-    return 2 * n**3 / seconds
+        return Probe(2 * n**3, lambda: torch._int_mm(a, b))
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    return Probe(2 * n**3, lambda: torch.mm(a, b))
 
 
-def _copy_bandwidth(megabytes: int, device: str, sync: Callable[[], None]) -> float:
-    """Bytes per second read and written by a copy of `megabytes` MiB (far larger than any cache)."""
+def copy_probe(megabytes: int, device: str) -> Probe:
+    """A copy of `megabytes` MiB (far larger than any cache): its bytes read plus written."""
     src = torch.ones(megabytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), 10, sync)
+    return Probe(2 * src.numel() * 4, lambda: dst.copy_(src))
+
+
+def matmul_nbits_model(rows: int, k: int, n: int, bits: int) -> bytes:
+    """An ONNX model of one com.microsoft MatMulNBits, x [rows, k] float32 times a random [n, k] weight
+    quantized to `bits` (group 32, symmetric) at accuracy_level 4: the attributes and packed layout the onnx
+    backend emits for qlinear, built from the quantize pass's own packing."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ..backends.onnx.export import MAX_IR_VERSION
+
+    scheme = QuantScheme(bits, NBITS_GROUP)
+    packed = quantize(torch.randn(n, k), scheme)
+    weights = [
+        numpy_helper.from_array(packed.qweight.numpy(), "qweight"),
+        numpy_helper.from_array(packed.scales.reshape(-1).numpy(), "scales"),
+    ]
+    node = helper.make_node(
+        "MatMulNBits",
+        ["x", "qweight", "scales"],
+        ["y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=scheme.group,
+        accuracy_level=4,
+    )
+    graph = helper.make_graph(
+        [node],
+        "matmul_nbits",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])],
+        weights,
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=MAX_IR_VERSION)
+    return model.SerializeToString()
+
+
+def matmul_nbits_probe(rows: int, k: int, n: int, bits: int) -> Probe:
+    """ONNX Runtime's CPU MatMulNBits at accuracy_level 4 (MLAS quantizes x to int8 and multiplies in int8,
+    what the q4/q8 ONNX artifacts run), one intra-op thread per logical core as the executors run."""
+    import onnxruntime as ort
+
+    from ..runtime.executors.onnx import session_options
+
+    session = ort.InferenceSession(
+        matmul_nbits_model(rows, k, n, bits),
+        session_options(threads=os.cpu_count() or 0),
+        providers=["CPUExecutionProvider"],
+    )
+    x = {"x": np.random.default_rng(0).standard_normal((rows, k), dtype=np.float32)}
+    return Probe(2 * rows * k * n, lambda: session.run(None, x))
+
+
+def int8_matmul_rate(rows: int, k: int, n: int, bits: int = 4, trials: int = TRIALS, runs: int = RUNS) -> float:
+    """int8 operations per second of ONNX Runtime's MatMulNBits on a [rows, k] x [k, n] product."""
+    return best_rates({"int8": matmul_nbits_probe(rows, k, n, bits)}, lambda: None, trials, runs)["int8"]
 
 
 def _cpu_name() -> str:
@@ -111,40 +194,70 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _int8_probes() -> dict[str, Probe]:
+    """MatMulNBits [512, 2048] x [2048, 2048] with int4 and with int8 weights (the q4 and q8 pipelines'
+    kernels); none where ONNX Runtime is not installed (the int8 ceiling is then absent)."""
+    try:
+        return {f"int8 w{bits}": matmul_nbits_probe(512, 2048, 2048, bits) for bits in (4, 8)}
+    except ImportError:
+        return {}
+
+
 def measure_cpu() -> Ceilings:
-    """fp32 matmul (2048^3), int8 matmul (512^3 through torch._int_mm, where this torch build has it on CPU)
-    and a 512 MiB copy, with torch's intra-op threads."""
-    flops = {"fp32": _matmul_rate(2048, torch.float32, "cpu", lambda: None)}
-    with contextlib.suppress(RuntimeError, NotImplementedError):  # no int8 matmul here: the ceiling is absent
-        flops["int8"] = _matmul_rate(512, torch.int8, "cpu", lambda: None)
+    """fp32 matmul (2048^3 torch.mm, torch's intra-op threads), int8 matmul (the faster of ONNX Runtime's
+    MatMulNBits with int4 and int8 weights, computing in int8) and a 512 MiB copy."""
+    probes = {
+        "fp32": torch_matmul_probe(2048, torch.float32, "cpu"),
+        "bandwidth": copy_probe(512, "cpu"),
+        **_int8_probes(),
+    }
+    rates = best_rates(probes, lambda: None)
+    flops = {"fp32": rates["fp32"]}
+    int8 = [rate for name, rate in rates.items() if name.startswith("int8")]
+    if int8:
+        flops["int8"] = max(int8)
     description = f"{_cpu_name()}, {torch.get_num_threads()} threads" + (
-        ", int8 by torch._int_mm" if "int8" in flops else ""
+        f", int8 by onnxruntime MatMulNBits on {os.cpu_count()} threads" if int8 else ""
     )
-    return Ceilings("cpu", description, "measured", flops, _copy_bandwidth(512, "cpu", lambda: None))
+    return Ceilings("cpu", description, "measured", flops, rates["bandwidth"])
 
 
 def measure_cuda() -> Ceilings:
     """fp16, fp32 and int8 matmuls (8192^3) and a 2 GiB copy on the current GPU."""
     if not torch.cuda.is_available():
         raise LlmlowerError("--machine cuda: torch sees no GPU here (pick a datasheet machine: a100, h100, ...)")
-    sync = torch.cuda.synchronize
-    flops = {
-        "fp16": _matmul_rate(8192, torch.float16, "cuda", sync),
-        "fp32": _matmul_rate(8192, torch.float32, "cuda", sync),
-        "int8": _matmul_rate(8192, torch.int8, "cuda", sync),
+    probes = {
+        "fp16": torch_matmul_probe(8192, torch.float16, "cuda"),
+        "fp32": torch_matmul_probe(8192, torch.float32, "cuda"),
+        "int8": torch_matmul_probe(8192, torch.int8, "cuda"),
+        "bandwidth": copy_probe(2048, "cuda"),
     }
-    return Ceilings("cuda", torch.cuda.get_device_name(), "measured", flops, _copy_bandwidth(2048, "cuda", sync))
+    rates = best_rates(probes, torch.cuda.synchronize)
+    bandwidth = rates.pop("bandwidth")
+    return Ceilings("cuda", torch.cuda.get_device_name(), "measured", rates, bandwidth)
 
 
 def _cache_file(machine: str) -> Path:
     return cache_dir() / "roofline" / f"ceilings-{machine}.json"
 
 
+def _onnxruntime_version() -> str:
+    try:
+        import onnxruntime
+    except ImportError:
+        return "none"
+    return onnxruntime.__version__
+
+
 def _fingerprint(machine: str) -> str:
-    """What a cached measurement must match to be reused: the processor and the thread count."""
+    """What a cached measurement must match to be reused: the measurement method, the processor, the thread
+    count and the libraries that ran the probes."""
     if machine == "cuda":
-        return f"{torch.cuda.get_device_name()} / torch {torch.__version__}"
-    return f"{_cpu_name()} / {os.cpu_count()} cores / {torch.get_num_threads()} threads / torch {torch.__version__}"
+        return f"{METHOD} / {torch.cuda.get_device_name()} / torch {torch.__version__}"
+    return (
+        f"{METHOD} / {_cpu_name()} / {os.cpu_count()} cores / {torch.get_num_threads()} threads / "
+        f"torch {torch.__version__} / onnxruntime {_onnxruntime_version()}"
+    )
 
 
 def machine_ceilings(machine: str = "cpu", remeasure: bool = False) -> Ceilings:

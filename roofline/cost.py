@@ -14,7 +14,7 @@ import torch.fx
 from ..ir import OPS, Cost, op_of
 from ..ir.program import LOGITS, Program
 from ..passes.graph_utils import lm_head, output_node_for
-from .shapes import Step, propagate
+from .shapes import Step, decode_step, propagate
 
 aten = torch.ops.aten
 KINDS = ("matmul", "attention", "norm", "elementwise", "embedding", "lm_head")
@@ -203,3 +203,10 @@ def step_cost(program: Program, step: Step) -> StepCost:
         if cost is not None:
             nodes.append(NodeCost(node.name, opdef.name if opdef else str(node.target), kind, cost))
     return StepCost(step, nodes)
+
+
+def decode_read_bytes(program: Program, context: int) -> int:
+    """Bytes one decoded token reads (batch 1): every weight it uses plus the KV cache at `context` positions,
+    what bounds decode speed at the memory bandwidth."""
+    total = step_cost(program, decode_step(1, context)).total
+    return total.weight_bytes + total.kv_read_bytes

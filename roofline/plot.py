@@ -1,6 +1,7 @@
 """PNG plots of a report dict: the roofline with one point per pipeline and phase, and predicted time by op
 kind per pipeline. Each function returns what it drew, read back from the figure, so it can be checked
-against the report."""
+against the report. A step measured above its roof is drawn on its roof, edged in red with its % of roofline
+written beside it, never silently above the roof."""
 
 from __future__ import annotations
 
@@ -13,12 +14,24 @@ from matplotlib.figure import Figure  # without pyplot: no display, no global fi
 from .cost import KINDS
 
 MARKERS = "os^Dv<>ph*"
+WARNING = "red"
 
 
 def point_performance(phase: dict[str, Any]) -> float:
     """FLOP/s a phase reached: measured when timed, else the roofline's prediction."""
     seconds = phase["measured_s"] if phase["measured_s"] is not None else phase["predicted_s"]
     return phase["flops"] / seconds
+
+
+def roof_performance(phase: dict[str, Any]) -> float:
+    """FLOP/s of the phase's roof at its intensity: its FLOPs in its predicted time."""
+    return phase["flops"] / phase["predicted_s"]
+
+
+def _flag_above_roof(ax: Any, phase: dict[str, Any], at: tuple[float, float]) -> str:
+    """Write a step's % of roofline in red next to its clipped point; returns the text written."""
+    text = f"{phase['roofline_pct']:.0f}% of roof: re-measure the ceilings"
+    return ax.annotate(text, at, xytext=(6, -10), textcoords="offset points", color=WARNING, fontsize=7).get_text()
 
 
 def plot_roofline(report: dict[str, Any], path: Path) -> list[dict[str, Any]]:
@@ -36,17 +49,23 @@ def plot_roofline(report: dict[str, Any], path: Path) -> list[dict[str, Any]]:
         )
         ax.annotate(f"{precision} {peak / 1e9:,.1f} GFLOP/s", (x[-1], peak), ha="right", va="bottom", fontsize=8)
     points = [(i, j, p, ph) for i, p in enumerate(report["pipelines"]) for j, ph in enumerate(p["phases"])]
+    notes = {}
     for i, j, pipeline, phase in points:
+        at = (phase["intensity"], min(point_performance(phase), roof_performance(phase)))
         ax.scatter(
-            [phase["intensity"]],
-            [point_performance(phase)],
+            [at[0]],
+            [at[1]],
             color=f"C{i}",
             marker=MARKERS[j % len(MARKERS)],
             s=60,
+            edgecolors=WARNING if phase["above_roof"] else "none",
+            linewidths=2,
             label=f"{pipeline['name']}: {phase['label']}",
         )
+        if phase["above_roof"]:
+            notes[i, j] = _flag_above_roof(ax, phase, at)
     drawn = []
-    for collection, (_, _, pipeline, phase) in zip(ax.collections, points, strict=True):
+    for collection, (i, j, pipeline, phase) in zip(ax.collections, points, strict=True):
         (xy,) = collection.get_offsets()
         drawn.append(
             {
@@ -54,6 +73,7 @@ def plot_roofline(report: dict[str, Any], path: Path) -> list[dict[str, Any]]:
                 "phase": phase["label"],
                 "intensity": float(xy[0]),
                 "flops_per_s": float(xy[1]),
+                "above_roof_note": notes.get((i, j)),
             }
         )
     ax.legend(fontsize=7, loc="upper left")

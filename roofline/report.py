@@ -15,8 +15,22 @@ def _ms(seconds: float | None) -> str:
     return "–" if seconds is None else f"{seconds * 1000:,.1f}"
 
 
+def _percent(phase: dict[str, Any]) -> str:
+    """% of roofline, marked when the step was measured above its roof."""
+    if phase["roofline_pct"] is None:
+        return "–"
+    return f"{phase['roofline_pct']:.0f}%" + (" ⚠ above roof" if phase["above_roof"] else "")
+
+
+def above_roof_warning(report: dict[str, Any]) -> list[str]:
+    """A warning naming the steps measured above their roofs and what to do; nothing when there are none."""
+    flagged = report["above_roof"]
+    return [] if flagged is None else ["", f"⚠ {'; '.join(flagged['steps'])}: {flagged['note']}"]
+
+
 def summary_table(report: dict[str, Any]) -> list[str]:
-    """One row per pipeline and phase: work, intensity, roofline prediction, measurement."""
+    """One row per pipeline and phase: work, intensity, roofline prediction, measurement; then the warning
+    about steps measured above their roofs, if any."""
     rows = [
         "| pipeline | phase | GFLOP | MB moved (weights / KV read) | FLOP/byte | bound | predicted ms | "
         "measured ms | % of roofline |",
@@ -24,13 +38,12 @@ def summary_table(report: dict[str, Any]) -> list[str]:
     ]
     for pipeline in report["pipelines"]:
         for ph in pipeline["phases"]:
-            percent = "–" if ph["roofline_pct"] is None else f"{ph['roofline_pct']:.0f}%"
             rows.append(
                 f"| {pipeline['name']} | {ph['label']} | {ph['flops'] / 1e9:,.2f} | {ph['bytes'] / 1e6:,.1f} "
                 f"({ph['weight_bytes'] / 1e6:,.1f} / {ph['kv_read_bytes'] / 1e6:,.1f}) | {ph['intensity']:.2f} | "
-                f"{ph['bound']} | {_ms(ph['predicted_s'])} | {_ms(ph['measured_s'])} | {percent} |"
+                f"{ph['bound']} | {_ms(ph['predicted_s'])} | {_ms(ph['measured_s'])} | {_percent(ph)} |"
             )
-    return rows
+    return rows + above_roof_warning(report)
 
 
 def _top_ops(report: dict[str, Any]) -> list[str]:
@@ -52,6 +65,15 @@ def _top_ops(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _op_roofs(report: dict[str, Any]) -> str:
+    """Which ops computed at another roof than the model dtype's (ONNX Runtime's int8 MatMulNBits)."""
+    roofs = {op: peak for p in report["pipelines"] for op, peak in p["op_peaks"].items()}
+    if not roofs:
+        return f"all at the {report['dtype']} roof"
+    named = ", ".join(f"{op} at {peak / 1e9:,.1f} GOP/s" for op, peak in roofs.items())
+    return f"{named} (int8 MatMulNBits), the rest at the {report['dtype']} roof"
+
+
 def markdown(report: dict[str, Any]) -> str:
     machine = report["machine"]
     roofs = ", ".join(f"{k} {v / 1e9:,.1f} GFLOP/s" for k, v in machine["flops"].items())
@@ -63,7 +85,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{machine['bandwidth'] / 1e9:,.1f} GB/s; ridge point {machine['ridge']:.1f} FLOP/byte.",
         f"Backend: {report['backend']}; step times {timing}. KV cache: {report['kv_bytes_per_token']:,} bytes "
         "per token.",
-        "Predicted = max(FLOPs / peak, bytes / bandwidth) of the whole step; % of roofline = predicted / measured.",
+        "Predicted = max(FLOPs / peak, bytes / bandwidth) of the whole step, each op's FLOPs at its own peak "
+        f"({_op_roofs(report)}); % of roofline = predicted / measured.",
         "",
         *summary_table(report),
         "",

@@ -12,7 +12,7 @@ import copy
 import re
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,16 @@ PIPELINE_WORDS: dict[str, tuple[str, ...]] = {
     "fusion": DEFAULT_PIPELINE,
 }
 TOP_OPS = 5
+ABOVE_ROOF_NOTE = (
+    "measured above its roof: the ceilings are too low (measured during a busy moment?); re-measure them with "
+    "--remeasure. If a step stays above, the cost model over-counts its work."
+)
 
 
 @dataclass(frozen=True)
 class StudyOptions:
-    """What to study: prompt length of the prefill, decode batches at one context, timing repeats."""
+    """What to study: prompt length of the prefill, decode batches at one context, timing repeats, and the
+    onnx backend's MatMulNBits accuracy_level (4: int8 compute, the backend's default)."""
 
     prefill: int = 512
     batches: tuple[int, ...] = (1, 16)
@@ -49,6 +54,7 @@ class StudyOptions:
     backend: str = "onnx"
     repeats: int = 5
     measure: bool = True
+    accuracy_level: int = 4
 
     def steps(self) -> list[Step]:
         return [prefill_step(self.prefill), *(decode_step(b, self.context) for b in self.batches)]
@@ -112,6 +118,37 @@ def op_seconds(cost: Cost, peak: float, bandwidth: float) -> float:
     return max(cost.flops / peak, cost.bytes / bandwidth)
 
 
+@dataclass(frozen=True)
+class Roofs:
+    """The roofs a program's steps run under: the memory bandwidth, and the compute peak of each op (`ops` for
+    ops computing in another precision than the model's dtype, `peak` for the rest)."""
+
+    peak: float
+    bandwidth: float
+    ops: dict[str, float] = field(default_factory=dict)
+
+    def op_peak(self, op: str) -> float:
+        return self.ops.get(op, self.peak)
+
+    def node_seconds(self, node: NodeCost) -> float:
+        """Roofline time of one node at its op's peak."""
+        return op_seconds(node.cost, self.op_peak(node.op), self.bandwidth)
+
+    def step_seconds(self, costs: StepCost) -> tuple[float, float]:
+        """(compute, memory) seconds of a whole step: every node's FLOPs at its op's peak, all bytes at the
+        bandwidth."""
+        compute = sum(node.cost.flops / self.op_peak(node.op) for node in costs.nodes)
+        return compute, costs.total.bytes / self.bandwidth
+
+
+def roofs_for(ceilings: Ceilings, dtype: str, backend: str, accuracy_level: int) -> Roofs:
+    """The model dtype's compute roof for every op, except qlinear where ONNX Runtime's CPU MatMulNBits runs it
+    in int8 (accuracy_level 4; the int8 ceiling measures that kernel). torch, TVM and accuracy_level 0
+    dequantize the weights and compute in the model's dtype."""
+    int8 = backend == "onnx" and accuracy_level == 4 and ceilings.machine == "cpu" and "int8" in ceilings.flops
+    return Roofs(ceilings.peak(dtype), ceilings.bandwidth, {"qlinear": ceilings.flops["int8"]} if int8 else {})
+
+
 def _op_group(node: NodeCost, modules: dict[str, str]) -> str:
     """An op and the module it came from with layer numbers as '*' (one group for all layers' q_proj)."""
     module = re.sub(r"\.\d+\.", ".*.", modules.get(node.name, "")).removeprefix("model.")
@@ -132,17 +169,16 @@ def _module_paths(program: Program) -> dict[str, str]:
     return paths
 
 
-def phase_entry(
-    costs: StepCost, ceilings: Ceilings, dtype: str, modules: dict[str, str], times: list[float] | None
-) -> dict[str, Any]:
-    """One pipeline's numbers for one step: totals, roofline prediction, measurement, per-kind and top ops."""
+def phase_entry(costs: StepCost, roofs: Roofs, modules: dict[str, str], times: list[float] | None) -> dict[str, Any]:
+    """One pipeline's numbers for one step: totals, roofline prediction, measurement (flagged when faster than
+    the prediction: above its roof), per-kind and top ops."""
     step, total = costs.step, costs.total
-    peak, bandwidth = ceilings.peak(dtype), ceilings.bandwidth
-    predicted = op_seconds(total, peak, bandwidth)
+    compute_s, memory_s = roofs.step_seconds(costs)
+    predicted = max(compute_s, memory_s)
     kinds: dict[str, dict[str, float]] = {k: {"flops": 0, "bytes": 0, "predicted_s": 0.0} for k in KINDS}
     groups: dict[str, dict[str, Any]] = defaultdict(lambda: {"count": 0, "flops": 0, "bytes": 0, "predicted_s": 0.0})
     for node in costs.nodes:
-        seconds = op_seconds(node.cost, peak, bandwidth)
+        seconds = roofs.node_seconds(node)
         for row in (kinds[node.kind], groups[_op_group(node, modules)]):
             row["flops"] += node.cost.flops
             row["bytes"] += node.cost.bytes
@@ -164,12 +200,14 @@ def phase_entry(
         "kv_read_bytes": total.kv_read_bytes,
         "kv_write_bytes": total.kv_write_bytes,
         "intensity": total.flops / total.bytes,
-        "bound": "compute" if total.flops / total.bytes >= peak / bandwidth else "memory",
+        "peak": total.flops / compute_s if compute_s else roofs.peak,
+        "bound": "compute" if compute_s >= memory_s else "memory",
         "predicted_s": predicted,
         "predicted_ops_s": sum(k["predicted_s"] for k in kinds.values()),
         "measured_s": measured,
         "measured_runs_s": times,
         "roofline_pct": 100 * predicted / measured if measured else None,
+        "above_roof": measured is not None and measured < predicted,
         "by_kind": kinds,
         "top_ops": [{"op": name, **row} for name, row in top],
     }
@@ -185,16 +223,30 @@ def study_program(
     if options.measure:
         executor = executor_for(max(s.batch for s in steps), max(s.context for s in steps))
     modules = _module_paths(program)
-    phases = []
+    roofs = roofs_for(ceilings, program.spec.dtype, options.backend, options.accuracy_level)
+    phases, ops = [], set()
     for step in steps:
         with stage(f"{name}: {step.label}") as shown:
             costs = step_cost(program, step)
+            ops.update(node.op for node in costs.nodes)
             times = time_step(executor, step, options.repeats) if executor is not None else None
             shown.detail = f"{costs.total.flops / 1e9:.2f} GFLOP, {costs.total.bytes / 1e6:.1f} MB"
             if times:
                 shown.detail += f", median {statistics.median(times) * 1000:.1f} ms"
-        phases.append(phase_entry(costs, ceilings, program.spec.dtype, modules, times))
-    return {"name": name, "passes": [record.name for record in program.history], "phases": phases}
+        phases.append(phase_entry(costs, roofs, modules, times))
+    return {
+        "name": name,
+        "passes": [record.name for record in program.history],
+        "op_peaks": {op: peak for op, peak in roofs.ops.items() if op in ops},  # ops not at the dtype's roof
+        "phases": phases,
+    }
+
+
+def above_roof(pipelines: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The steps measured faster than their roofline prediction ('pipeline: phase') with what to do about it;
+    None when every step is at or below its roof."""
+    steps = [f"{p['name']}: {ph['label']}" for p in pipelines for ph in p["phases"] if ph["above_roof"]]
+    return {"steps": steps, "note": ABOVE_ROOF_NOTE} if steps else None
 
 
 def _report(model: str, spec: ModelSpec, ceilings: Ceilings, options: StudyOptions, pipelines: list) -> dict:
@@ -209,6 +261,7 @@ def _report(model: str, spec: ModelSpec, ceilings: Ceilings, options: StudyOptio
         "repeats": options.repeats if options.measure else 0,
         "machine": {**ceilings.to_dict(), "peak": ceilings.peak(dtype), "ridge": ceilings.ridge(dtype)},
         "pipelines": pipelines,
+        "above_roof": above_roof(pipelines),
     }
 
 
@@ -235,6 +288,12 @@ def run_study(
     return _report(str(model), loaded.spec, ceilings, options, results)
 
 
+def artifact_passes(manifest: dict[str, Any]) -> list[PassSpec]:
+    """The pipeline an artifact was compiled with, as costed: without paged_attention (the per-slot program;
+    the paged layout moves the same bytes, addressed by blocks)."""
+    return [(p["name"], p["options"]) for p in manifest["pipeline"] if p["name"] != "paged_attention"]
+
+
 def run_artifact_study(
     artifact: Path, checkpoint: str | None, options: StudyOptions, ceilings: Ceilings
 ) -> dict[str, Any]:
@@ -244,8 +303,7 @@ def run_artifact_study(
     if checkpoint is None:
         raise LlmlowerError(f"{artifact} is an artifact: --checkpoint names the model it was compiled from")
     check_measurable(options, ceilings)
-    # costs come from the per-slot program: the paged layout moves the same bytes, addressed by blocks
-    passes: list[PassSpec] = [(p["name"], p["options"]) for p in manifest["pipeline"] if p["name"] != "paged_attention"]
+    passes = artifact_passes(manifest)
     loaded = load(resolve_model(checkpoint), dtype=manifest["dtype"])
     if loaded.spec != ModelSpec.from_dict(manifest["spec"]):
         raise LlmlowerError(f"--checkpoint {checkpoint}: its spec differs from the one in {artifact}/manifest.json")
@@ -255,6 +313,7 @@ def run_artifact_study(
     def executor_for(max_batch: int, max_context: int) -> Any:
         return artifact_executor(artifact, max_batch, max_context)
 
-    options = replace(options, backend=manifest["backend"])
+    level = manifest.get("onnx", {}).get("accuracy_level", options.accuracy_level)
+    options = replace(options, backend=manifest["backend"], accuracy_level=level)
     result = study_program(Path(artifact).name, program, ceilings, options, executor_for)
     return _report(str(artifact), loaded.spec, ceilings, options, [result])

@@ -1,22 +1,29 @@
 """The roofline study: KV bytes against the seed articles' worked examples, the cost model's FLOPs against
-the 2 x parameters x tokens rule, ceilings, report.json against the plots, bad input, and SmolLM2's
-prefill / decode placement on this machine's roofline."""
+the 2 x parameters x tokens rule, ceilings (int8 by ONNX Runtime's MatMulNBits), report.json against the plots,
+steps above their roofs flagged, bad input, and SmolLM2's prefill / decode placement on this machine's roofline."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 
 import matplotlib.image
+import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
+from onnx import numpy_helper
 
 from llmlower.cli import main
 from llmlower.errors import LlmlowerError
 from llmlower.frontend import capture, load
+from llmlower.ir.quant import dequantize
 from llmlower.passes import DEFAULT_PIPELINE, build_pipeline, run_pipeline
-from llmlower.roofline import decode_step, machine_ceilings, prefill_step, step_cost
-from llmlower.roofline.plot import plot_kinds, plot_roofline
+from llmlower.roofline import Ceilings, decode_read_bytes, decode_step, machine_ceilings, prefill_step, step_cost
+from llmlower.roofline import ceilings as ceilings_module
+from llmlower.roofline.plot import plot_kinds, plot_roofline, roof_performance
 from llmlower.roofline.report import write_report
 from llmlower.roofline.study import (
     PIPELINE_WORDS,
@@ -24,6 +31,7 @@ from llmlower.roofline.study import (
     op_seconds,
     parse_batches,
     parse_pipelines,
+    roofs_for,
     run_study,
 )
 from llmlower.spec import ModelSpec
@@ -98,6 +106,14 @@ def test_quantized_weights_count_packed_bytes_and_scales(tiny_programs):
     assert q4 == quant["quantized_weight_bytes_after"] + row + norms
 
 
+def test_a_decoded_token_reads_the_weights_and_the_kv_cache(tiny_programs):
+    loaded, programs = tiny_programs
+    for program in programs.values():
+        weights = step_cost(program, decode_step(batch=1, context=40)).total.weight_bytes
+        assert decode_read_bytes(program, 40) == weights + loaded.spec.kv_cache_bytes(40)
+    assert decode_read_bytes(programs["fusion+q4g32"], 40) < decode_read_bytes(programs["baseline"], 40) / 3
+
+
 @pytest.fixture(scope="module")
 def measured_cache(tmp_path_factory):
     """A cache directory holding this machine's ceilings, measured once for the module."""
@@ -116,6 +132,7 @@ def cpu_ceilings(measured_cache, monkeypatch):
 
 def test_ceilings_are_measured_cached_and_datasheets_selectable(cpu_ceilings, measured_cache):
     assert cpu_ceilings.measured and cpu_ceilings.flops["fp32"] > 1e9 and cpu_ceilings.bandwidth > 1e8
+    assert cpu_ceilings.flops["int8"] > 1e9 and "MatMulNBits" in cpu_ceilings.description
     assert (measured_cache / "roofline" / "ceilings-cpu.json").is_file()
     assert machine_ceilings("cpu") == cpu_ceilings  # from the cache: a new measurement would differ
     h100 = machine_ceilings("H100")
@@ -123,6 +140,83 @@ def test_ceilings_are_measured_cached_and_datasheets_selectable(cpu_ceilings, me
     assert 200 < h100.ridge("float16") < 400  # the seed: "a few hundred FLOPs per byte"
     with pytest.raises(LlmlowerError, match="--machine 'tpu'"):
         machine_ceilings("tpu")
+
+
+def test_the_int8_ceiling_is_onnxruntime_matmul_nbits():
+    """The int8 probe runs the kernel of the q4/q8 ONNX artifacts: MatMulNBits at accuracy_level 4 with the
+    backend's attributes over the quantize pass's packing, so it computes x @ W^T (up to int8 rounding of x)."""
+    model = onnx.load_from_string(ceilings_module.matmul_nbits_model(8, 96, 48, bits=4))
+    [node] = model.graph.node
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert (node.op_type, node.domain) == ("MatMulNBits", "com.microsoft")
+    assert attributes == {"K": 96, "N": 48, "bits": 4, "block_size": 32, "accuracy_level": 4}
+    weights = {t.name: torch.tensor(numpy_helper.to_array(t)) for t in model.graph.initializer}
+    w = dequantize(weights["qweight"], weights["scales"].reshape(48, 3), None, bits=4, in_features=96)
+    x = np.random.default_rng(1).standard_normal((8, 96), dtype=np.float32)
+    [y] = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    expected = x @ w.numpy().T
+    assert np.abs(y - expected).max() <= 0.02 * np.abs(expected).max()
+    assert ceilings_module.int8_matmul_rate(64, 256, 256, trials=2, runs=1) > 1e8
+
+
+def test_ceilings_cached_by_the_old_method_are_measured_again(tmp_path, monkeypatch):
+    """A cache file from before int8 came from MatMulNBits (torch._int_mm; its fingerprint names no method)
+    is not reused; the new measurement is, until --remeasure."""
+    monkeypatch.setenv("LLMLOWER_CACHE", str(tmp_path))
+    old = Ceilings("cpu", "int8 by torch._int_mm", "measured", {"fp32": 1.8e11, "int8": 7.6e11}, 3.6e10)
+    fingerprint = (
+        f"{ceilings_module._cpu_name()} / {os.cpu_count()} cores / {torch.get_num_threads()} threads / "
+        f"torch {torch.__version__}"
+    )
+    path = tmp_path / "roofline" / "ceilings-cpu.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"fingerprint": fingerprint, "ceilings": old.to_dict()}))
+    measurements = iter(["first", "second"])
+    monkeypatch.setattr(
+        ceilings_module, "measure_cpu", lambda: Ceilings("cpu", next(measurements), "measured", {"fp32": 1e11}, 2e10)
+    )
+    assert machine_ceilings("cpu").description == "first"
+    assert machine_ceilings("cpu").description == "first"  # from the cache now
+    assert machine_ceilings("cpu", remeasure=True).description == "second"
+
+
+def test_onnx_qlinear_is_predicted_at_the_int8_roof(tiny_programs):
+    """ONNX Runtime runs qlinear as MatMulNBits computing in int8 (accuracy_level 4 on the CPU): its FLOPs go
+    at the int8 roof, the rest at the fp32 one. torch, TVM, accuracy_level 0 and CUDA dequantize."""
+    ceilings = Ceilings("cpu", "test", "measured", {"fp32": 1e9, "int8": 4e9}, 1e9)
+    roofs = roofs_for(ceilings, "float32", "onnx", accuracy_level=4)
+    assert roofs.ops == {"qlinear": 4e9}
+    for backend, level in (("torch", 4), ("tvm", 4), ("onnx", 0)):
+        assert roofs_for(ceilings, "float32", backend, level).ops == {}
+    assert roofs_for(machine_ceilings("h100"), "float16", "onnx", 4).ops == {}
+    costs = step_cost(tiny_programs[1]["fusion+q4g32"], prefill_step(16))
+    qlinear = sum(node.cost.flops for node in costs.nodes if node.op == "qlinear")
+    assert 0 < qlinear < costs.total.flops
+    compute, memory = roofs.step_seconds(costs)
+    assert compute == pytest.approx(qlinear / 4e9 + (costs.total.flops - qlinear) / 1e9)
+    assert memory == costs.total.bytes / 1e9
+
+
+def test_a_step_measured_above_its_roof_is_flagged_and_drawn_on_its_roof(tiny_llama, tmp_path):
+    """Ceilings far below this machine's (as when cached during a busy moment) put every measured step above
+    its roof: report.json and report.md name the steps and say to re-measure, and the plot draws each point on
+    its roof (not above it), with its % of roofline written beside it."""
+    busy = Ceilings("cpu", "a busy moment", "measured", {"fp32": 1e6, "int8": 1e6}, 1e6)
+    options = StudyOptions(prefill=8, batches=(2,), context=12, backend="torch", repeats=1)
+    write_report(run_study(str(tiny_llama), "fusion", options, busy), tmp_path)
+    saved = json.loads((tmp_path / "report.json").read_text())
+    phases = saved["pipelines"][0]["phases"]
+    assert all(ph["above_roof"] and ph["roofline_pct"] > 100 for ph in phases)
+    assert saved["above_roof"]["steps"] == ["fusion: prefill N=8", "fusion: decode B=2 C=12"]
+    assert "--remeasure" in saved["above_roof"]["note"]
+    text = (tmp_path / "report.md").read_text()
+    assert text.count("⚠ above roof") == 2 and saved["above_roof"]["note"] in text
+
+    points = plot_roofline(saved, tmp_path / "again.png")
+    for point, ph in zip(points, phases, strict=True):
+        assert point["flops_per_s"] == pytest.approx(roof_performance(ph))
+        assert point["flops_per_s"] < ph["flops"] / ph["measured_s"]
+        assert point["above_roof_note"].startswith(f"{ph['roofline_pct']:.0f}% of roof")
 
 
 def test_report_json_equals_what_the_plots_show(tiny_llama, cpu_ceilings, tmp_path):
@@ -135,10 +229,12 @@ def test_report_json_equals_what_the_plots_show(tiny_llama, cpu_ceilings, tmp_pa
 
     points = plot_roofline(saved, tmp_path / "again.png")
     assert [(p["pipeline"], p["phase"]) for p in points] == [(name, ph["label"]) for name, ph in phases]
+    assert saved["above_roof"] is None  # the torch backend's tiny steps are far below the roof
     for point, (_, ph) in zip(points, phases, strict=True):
         assert point["intensity"] == pytest.approx(ph["flops"] / ph["bytes"])
         assert point["flops_per_s"] == pytest.approx(ph["flops"] / ph["measured_s"])
         assert ph["roofline_pct"] == pytest.approx(100 * ph["predicted_s"] / ph["measured_s"])
+        assert not ph["above_roof"] and point["above_roof_note"] is None
     peak, bandwidth = saved["machine"]["peak"], saved["machine"]["bandwidth"]
     bars = plot_kinds(saved, tmp_path / "again_kinds.png")
     for name, ph in phases:
