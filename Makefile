@@ -14,6 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# The first run compiles the example once into ~/.cache/llmlower/artifacts; every run prints its decode speed.
 demo: install
 	$(VENV)/bin/llmlower generate example --prompt "$(PROMPT)" --max-tokens 64
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .backends.torch import TorchExecutor
@@ -85,11 +85,13 @@ def compile_artifact(
     cpu: str | None = None,
     block_size: int | None = None,
     verify: bool = False,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Compile MODEL into a deployable artifact directory at `output` (written atomically) with the onnx backend
     (`accuracy_level`: MatMulNBits', default 4) or the tvm one (`cuda_arch` for cuda, e.g. sm_90; `cpu`: the
     LLVM CPU name, default this machine's). The dtype defaults to float32 on cpu and float16 on cuda; the
-    pipeline gets the KV layout the backend runs on the target (runtime.backends)."""
+    pipeline gets the KV layout the backend runs on the target (runtime.backends). `write_extra(directory)` adds
+    files of the caller's to the artifact before it is hashed (the compile cache's key)."""
     check_output(output)  # a file or someone's directory is refused now, not replaced after compiling
     entry = get_backend(backend)
     if entry.compiler is None:
@@ -115,6 +117,8 @@ def compile_artifact(
     def write_model_files(directory: Path) -> None:
         loaded.tokenizer.write(directory)
         loaded.module.generation_config.to_json_file(directory / "generation_config.json")
+        if write_extra is not None:
+            write_extra(directory)
 
     build = load_symbol(entry.compiler)
     return build(program, output, target=target, write_extra=write_model_files, **given)

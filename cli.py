@@ -6,11 +6,13 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from . import progress
+from .compile_cache import RECOMMENDED_BACKEND, RECOMMENDED_QUANT, CompileRequest, load_compiled
 from .errors import LlmlowerError
 from .runtime import EngineConfig
 from .runtime.backends import BACKENDS
@@ -38,11 +40,13 @@ class RichReporter:
         self.console.print(f"[green]✓[/green] {description} ({seconds:.1f}s){suffix}", highlight=False)
 
 
-def _pipeline(args: argparse.Namespace, all_logits: bool = False) -> list:
+def _pipeline(args: argparse.Namespace, all_logits: bool = False, default_quant: str = "none") -> list:
+    """The pass list the pipeline flags ask for (`default_quant` unless --quant)."""
     from .passes import build_pipeline
 
+    quant = args.quant or default_quant
     return build_pipeline(
-        args.passes, args.quant, args.keep, args.quant_embedding, all_logits=all_logits, lm_head_bits=args.lm_head_bits
+        args.passes, quant, args.keep, args.quant_embedding, all_logits=all_logits, lm_head_bits=args.lm_head_bits
     )
 
 
@@ -53,8 +57,9 @@ def _check_artifact_options(args: argparse.Namespace) -> None:
     if not is_artifact(args.model):
         return
     options = {
+        "--backend": getattr(args, "backend", None),
         "--passes": args.passes,
-        "--quant": args.quant != "none",
+        "--quant": args.quant not in (None, "none"),
         "--keep": args.keep,
         "--quant-embedding": args.quant_embedding,
         "--lm-head-bits": args.lm_head_bits,
@@ -83,20 +88,43 @@ def _engine_config(args: argparse.Namespace, sequences: int) -> Any:
     )
 
 
-def _engine(args: argparse.Namespace, sequences: int) -> Any:
+def _engine(args: argparse.Namespace, sequences: int, backend: str = "torch") -> Any:
     """An Engine for MODEL running `sequences` at once unless --max-num-seqs says otherwise: an artifact runs as
-    compiled (without torch), a checkpoint through the pipeline."""
+    compiled (without torch); a model runs on `backend`: torch, the reference, through the pipeline as it is
+    captured; onnx or tvm, compiled once into the artifact cache (compile_cache) and loaded from there."""
+    from .runtime import Engine
     from .runtime.artifact import is_artifact
 
     _check_artifact_options(args)
     config = _engine_config(args, sequences)
     if is_artifact(args.model):
-        from .runtime import Engine
-
         return Engine.load(args.model, config, threads=args.threads)
-    from .api import load_engine
+    if backend == "torch":
+        from .api import load_engine
 
-    return load_engine(args.model, _pipeline(args), dtype=args.dtype or "float32", config=config, verify=args.verify)
+        pipeline = _pipeline(args)
+        return load_engine(args.model, pipeline, dtype=args.dtype or "float32", config=config, verify=args.verify)
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    def open_artifact(path: Path) -> Engine:
+        return Engine.load(path, config, threads=args.threads)
+
+    return load_compiled(args.model, _compile_request(args, backend), open_artifact, verify=args.verify, notify=say)
+
+
+def _compile_request(args: argparse.Namespace, backend: str) -> CompileRequest:
+    """What generate and chat compile MODEL with: the pipeline flags (--quant RECOMMENDED_QUANT unless given),
+    --dtype, and --block-size where the backend fixes it when compiling (a paged KV layout), for the CPU."""
+    from .runtime.backends import get_backend
+    from .step_io import KVLayout
+
+    quant = args.quant or RECOMMENDED_QUANT
+    paged = get_backend(backend).layout("cpu") is KVLayout.PAGED
+    pipeline = tuple(_pipeline(args, default_quant=quant))
+    block_size = args.block_size if paged else None
+    return CompileRequest(pipeline, quant, backend, target="cpu", dtype=args.dtype, block_size=block_size)
 
 
 def parse_bytes(text: str) -> int:
@@ -125,7 +153,7 @@ def _sampling_params(args: argparse.Namespace) -> Any:
 
 def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # bad values fail before the model loads
-    engine = _engine(args, sequences=params.n)
+    engine = _engine(args, sequences=params.n, backend=args.backend or RECOMMENDED_BACKEND)
     if args.stream:
         for delta in engine.stream([args.prompt], params, chat=not args.raw):
             print(delta.text, end="\n\n" if delta.finish_reason and params.n > 1 else "", flush=True)
@@ -153,7 +181,7 @@ def _chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     if params.n != 1:
         raise LlmlowerError("chat: n must be 1")
-    engine = _engine(args, sequences=1)
+    engine = _engine(args, sequences=1, backend=args.backend or RECOMMENDED_BACKEND)
     console = Console(stderr=True)
     console.print(f"[dim]chatting with {args.model} ({'greedy' if params.greedy else 'sampling'}); /reset, /exit[/dim]")
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -353,7 +381,9 @@ def _passes(args: argparse.Namespace) -> int:
 def _add_pipeline_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", help="comma-separated passes (default: the default pipeline; see `passes`)")
     parser.add_argument(
-        "--quant", default="none", help="weight quantization: none, q8, q4g32, q4g64, q4g128 (add -sym: symmetric)"
+        "--quant",
+        help="weight quantization: none, q8, q4g32, q4g64, q4g128 (add -sym: symmetric); default none "
+        f"(generate and chat compiling a model: {RECOMMENDED_QUANT})",
     )
     parser.add_argument(
         "--keep", action="append", default=[], help="keep in full precision: lm_head or a weight-name substring"
@@ -388,7 +418,13 @@ SAMPLING_FLAGS: dict[str, dict[str, Any]] = {  # SamplingParams field -> argpars
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """Sampling flags (named after SamplingParams' fields), then the serving and pipeline options."""
+    """--backend, the sampling flags (named after SamplingParams' fields), then the serving and pipeline options."""
+    parser.add_argument(
+        "--backend",
+        choices=list(BACKENDS),
+        help=f"what runs MODEL: {RECOMMENDED_BACKEND} (default) or tvm, compiled once and cached under "
+        "$LLMLOWER_CACHE/artifacts (default ~/.cache/llmlower); torch, the reference (not compiled)",
+    )
     group = parser.add_argument_group("sampling (see llmlower.runtime.sampling.SamplingParams)")
     for name, options in SAMPLING_FLAGS.items():
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, **options)

@@ -9,9 +9,11 @@ import sys
 from llmlower.cli import main
 from llmlower.passes import PASSES
 
+REFERENCE = ["--backend", "torch"]  # the torch reference: generate's fields without compiling (test_compile_cache)
+
 
 def test_generate_json(tiny_llama, capsys):
-    code = main(["generate", str(tiny_llama), "--prompt", "Hello", "--max-tokens", "5", "--json"])
+    code = main(["generate", str(tiny_llama), "--prompt", "Hello", "--max-tokens", "5", "--json", *REFERENCE])
     out = json.loads(capsys.readouterr().out)
     assert code == 0
     assert set(out) >= {"text", "token_ids", "prompt_token_ids", "finish_reason", "timing"}
@@ -22,7 +24,7 @@ def test_generate_json(tiny_llama, capsys):
 
 
 def test_generate_raw_skips_the_template(tiny_llama, capsys):
-    main(["generate", str(tiny_llama), "--prompt", "Hello", "--max-tokens", "2", "--json", "--raw"])
+    main(["generate", str(tiny_llama), "--prompt", "Hello", "--max-tokens", "2", "--json", "--raw", *REFERENCE])
     out = json.loads(capsys.readouterr().out)
     assert 3 not in out["prompt_token_ids"]
 

@@ -16,6 +16,12 @@ from llmlower.cli import main
 TEXT = "The quick brown fox jumps over the lazy dog. " * 30
 
 
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch) -> None:
+    """generate MODEL compiles into the artifact cache: a temporary one here, never the user's."""
+    monkeypatch.setenv("LLMLOWER_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def paths(tiny_llama, tmp_path_factory) -> dict[str, str]:
     """Placeholders of the invocations: {A} artifact, {C} checkpoint, {T} text file, {F} a file that is no model,
@@ -76,7 +82,8 @@ CASES = [
     ("generate {A} --prompt hi --threads -1", 2, "--threads must be >= 0"),
     ("generate {A} --prompt hi --threads 100000", 1, "--threads 100000:"),
     ("generate {A} --prompt hi --quant q4g32", 1, "--quant apply when compiling"),
-    ("generate {C} --prompt hi --block-size 3", 1, "--block-size 3: must be a power of two"),
+    ("generate {C} --prompt hi --backend torch --block-size 3", 1, "--block-size 3: must be a power of two"),
+    ("generate {A} --prompt hi --backend torch", 1, "--backend apply when compiling"),
     # generate: MODEL that is not one
     ("generate {O} --prompt hi", 1, "no such file or directory"),
     ("generate {D} --prompt hi", 1, "config.json: not found"),

@@ -107,7 +107,7 @@ def test_async_engine_serves_concurrent_streams_and_abandoned_ones(engine):
 
 
 def test_cli_sampling_flags_stream_and_bad_values(tiny_llama, capsys):
-    args = ["generate", str(tiny_llama), "--prompt", "Hello", "--raw", "--max-tokens", "8"]
+    args = ["generate", str(tiny_llama), "--prompt", "Hello", "--raw", "--max-tokens", "8", "--backend", "torch"]
     assert main([*args, "--json"]) == 0
     greedy = json.loads(capsys.readouterr().out)
     assert main([*args, "--stream"]) == 0
@@ -124,7 +124,8 @@ def test_cli_sampling_flags_stream_and_bad_values(tiny_llama, capsys):
 
 
 def test_chat_streams_replies_and_keeps_the_conversation(tiny_llama):
-    command = [sys.executable, "-m", "llmlower.cli", "chat", str(tiny_llama), "--max-tokens", "4", "--system", "Hi"]
+    command = [sys.executable, "-m", "llmlower.cli", "chat", str(tiny_llama), "--backend", "torch", "--max-tokens", "4"]
+    command += ["--system", "Hi"]
     done = subprocess.run(command, input="hello\nand again\n/exit\n", capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("> ") == 3  # two replies, then the prompt /exit answered

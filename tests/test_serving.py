@@ -223,6 +223,7 @@ def test_interleaved_streams_share_the_batch_and_a_second_thread_is_refused(tiny
 
 def test_cli_serving_flags(tiny_llama, capsys):
     args = ["generate", str(tiny_llama), "--prompt", "Hello", "--raw", "--max-tokens", "6", "--json"]
+    args += ["--backend", "torch"]  # the reference
     assert main([*args, "--max-num-seqs", "2", "--num-blocks", "16", "--block-size", "8", "--no-prefix-caching"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 6
     assert main([*args, "--kv-cache-memory", "4000G"]) == 1

@@ -176,7 +176,7 @@ def test_the_artifact_runs_as_the_checkpoint_without_torch(artifact, tiny_llama,
     assert set(manifest["entry_points"]) == {"step", "copy_blocks"}
     assert {"model.so", "weights.safetensors"} <= set(manifest["files"])
     args = ["--prompt", "Hello there", "--max-tokens", "8", "--json"]
-    assert main(["generate", str(tiny_llama), *args]) == 0
+    assert main(["generate", str(tiny_llama), *args, "--backend", "torch"]) == 0
     expected = json.loads(capsys.readouterr().out)["token_ids"]
     done = without_torch(
         f"""
