@@ -191,6 +191,34 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]] | None]  # (token, logprob), most likely first, finite ones only
 
 
+def _checked(
+    logits: np.ndarray,
+    states: Sequence[SequenceSampling],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> np.ndarray:
+    """The logits as an array, with one row per state, prompt and output."""
+    logits = np.asarray(logits)
+    if logits.ndim != 2 or not len(states) == len(prompt_ids) == len(output_ids) == logits.shape[0]:
+        raise ValueError(
+            f"logits {logits.shape} need one row per state, prompt and output "
+            f"({len(states)}, {len(prompt_ids)}, {len(output_ids)})"
+        )
+    return logits
+
+
+def _plain_greedy(params: SamplingParams, generated: int) -> bool:
+    """Greedy with nothing that reorders the logits (bias, penalties, a min_tokens mask) and no logprobs."""
+    return (
+        params.greedy
+        and not params.logit_bias
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == params.presence_penalty == 0.0
+        and generated >= params.min_tokens
+        and not params.logprobs
+    )
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise log-softmax in float64; -inf logits stay -inf."""
     logits = np.asarray(logits, dtype=np.float64)
@@ -321,6 +349,12 @@ class Sampler:
         output_ids: Sequence[Sequence[int]],
     ) -> SampleResult:
         """One token per row (argmax for greedy rows, a draw otherwise) and the logprobs rows asked for."""
+        logits = _checked(logits, states, prompt_ids, output_ids)
+        if all(_plain_greedy(state.params, len(out)) for state, out in zip(states, output_ids, strict=True)):
+            # nothing changes the logits' order: the argmax of the model's own logits (saves a float64 copy
+            # and the masks, ~0.4 ms per step at batch 1)
+            none = [None] * len(states)
+            return SampleResult(logits.argmax(axis=1).astype(np.int64), none, list(none))
         step = self._step(logits, states, prompt_ids, output_ids)
         tokens = step.logits.argmax(axis=1)
         drawn = np.flatnonzero(step.slot >= 0)
@@ -336,12 +370,7 @@ class Sampler:
         output_ids: Sequence[Sequence[int]],
     ) -> _Step:
         """Steps 1 to 8 on a float64 copy of the logits (the caller's array is not touched)."""
-        logits = np.array(logits, dtype=np.float64)
-        if logits.ndim != 2 or not len(states) == len(prompt_ids) == len(output_ids) == logits.shape[0]:
-            raise ValueError(
-                f"logits {logits.shape} need one row per state, prompt and output "
-                f"({len(states)}, {len(prompt_ids)}, {len(output_ids)})"
-            )
+        logits = np.array(_checked(logits, states, prompt_ids, output_ids), dtype=np.float64)
         params = [s.params for s in states]
         self._mask_early_stops(logits, params, output_ids)
         self._apply_logit_bias(logits, params)

@@ -366,3 +366,25 @@ def test_the_callers_logits_are_not_modified():
     params = SamplingParams(repetition_penalty=2.0, logit_bias={0: 1.0}, temperature=0.5, top_k=2)
     Sampler().sample(logits, [SequenceSampling(params)], [[0, 1]], [[]])
     np.testing.assert_array_equal(logits, before)
+
+
+def test_plain_greedy_rows_take_the_argmax_and_everything_else_still_applies():
+    """A batch of plain greedy rows takes the model's argmax as the full path does (ties: the first token);
+    a bias, a penalty or a pending min_tokens in the batch still changes the choice."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 50)).astype(np.float32)
+    logits[0, [3, 7]] = 9.0  # a tie
+    sampler = Sampler(eos_token_ids=[int(logits[1].argmax())])
+    plain = [SequenceSampling(SamplingParams(temperature=0))] * 6
+    tokens = sampler.sample(logits, plain, [[1]] * 6, [[2]] * 6)
+    full = sampler.sample(
+        logits, [SequenceSampling(SamplingParams(temperature=0, logprobs=True))] * 6, [[1]] * 6, [[2]] * 6
+    )
+    assert tokens.token_ids.tolist() == full.token_ids.tolist() == logits.argmax(axis=1).tolist()
+    assert tokens.token_ids[0] == 3 and tokens.logprobs == [None] * 6
+    biased = SequenceSampling(SamplingParams(temperature=0, logit_bias={0: 100}))
+    assert sampler.sample(logits, [biased, *plain[1:]], [[1]] * 6, [[2]] * 6).token_ids[0] == 0
+    waiting = SequenceSampling(SamplingParams(temperature=0, min_tokens=5, max_tokens=8))
+    assert (
+        sampler.sample(logits, [plain[0], waiting, *plain[2:]], [[1]] * 6, [[2]] * 6).token_ids[1] != logits[1].argmax()
+    )
