@@ -36,10 +36,6 @@ class EngineCollector(Collector):
             "kv_cache_blocks_used": ("KV-cache blocks in use", stats.kv_blocks_used),
             "kv_cache_blocks_free": ("KV-cache blocks free (cached, unreferenced ones too)", stats.kv_blocks_free),
         }
-        for name, (text, value) in gauges.items():
-            gauge = GaugeMetricFamily(PREFIX + name, text, labels=labels[0])
-            gauge.add_metric(labels[1], value)
-            yield gauge
         counters = {
             "prefix_cache_queries": ("prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
             "prefix_cache_hits": ("prompt tokens found in the prefix cache", stats.prefix_cache_hits),
@@ -47,10 +43,11 @@ class EngineCollector(Collector):
             "prompt_tokens": ("prompt tokens computed", stats.prompt_tokens),
             "generation_tokens": ("tokens generated", stats.generation_tokens),
         }
-        for name, (text, value) in counters.items():
-            counter = CounterMetricFamily(PREFIX + name, text, labels=labels[0])
-            counter.add_metric(labels[1], value)
-            yield counter
+        for family, metrics in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, (text, value) in metrics.items():
+                metric = family(PREFIX + name, text, labels=labels[0])
+                metric.add_metric(labels[1], value)
+                yield metric
         finished = CounterMetricFamily(
             PREFIX + "request_success", "completions finished, by reason", labels=[*labels[0], "finished_reason"]
         )

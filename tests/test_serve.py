@@ -157,24 +157,16 @@ def test_completions_and_chat_in_their_own_formats(server):
     assert all(len(top) <= 3 for top in logprobs.top_logprobs)
     assert completion.usage.completion_tokens == 24 and completion.usage.prompt_tokens > 0
 
-    chat = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
-        max_completion_tokens=5,
-        temperature=0.9,
-        seed=7,
-        logprobs=True,
-        top_logprobs=2,
-        extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True},
-    )
-    again = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
-        max_completion_tokens=5,
-        temperature=0.9,
-        seed=7,
-        extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True},
-    )
+    seeded = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
+        "max_completion_tokens": 5,
+        "temperature": 0.9,
+        "seed": 7,
+        "extra_body": {"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True},
+    }
+    chat = client.chat.completions.create(**seeded, logprobs=True, top_logprobs=2)
+    again = client.chat.completions.create(**seeded)
     assert chat.choices[0].message.content == again.choices[0].message.content  # seeded: reproducible
     entries = chat.choices[0].logprobs.content
     assert len(entries) == 5 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
