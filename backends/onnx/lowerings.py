@@ -6,6 +6,8 @@ shapes it may read, and builds ONNX Runtime contrib nodes where one exists.
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
 import onnxscript
 from onnxscript import opset18 as op
 
@@ -124,13 +126,11 @@ def silu_mul(x):
 
 
 def _group_sums(x, blocks: int, group: int, in_features: int):
-    """x [..., K] -> sums over each quantization group [..., blocks] (K zero-padded to blocks x group)."""
-    rank = len(x.shape)
-    if blocks * group != in_features:
-        pads = [0] * (2 * rank - 1) + [blocks * group - in_features]
-        x = op.Pad(x, op.Constant(value_ints=pads))
-    shape = op.Constant(value_ints=[0] * (rank - 1) + [blocks, group])  # 0: keep that dim
-    return op.ReduceSum(op.Reshape(x, shape), op.Constant(value_ints=[-1]), keepdims=0)
+    """x [..., K] -> sums over each quantization group [..., blocks]: one MatMul by a constant 0/1 matrix [K, blocks]
+    (a single node; Pad + Reshape + ReduceSum cost three dispatches per linear, ~1.5 ms of a SmolLM2 token)."""
+    indicator = np.zeros((in_features, blocks), dtype=np.float32)
+    indicator[np.arange(in_features), np.arange(in_features) // group] = 1.0
+    return op.MatMul(x, op.CastLike(op.Constant(value=onnx.numpy_helper.from_array(indicator)), x))
 
 
 def qlinear_lowering(accuracy_level: int):
