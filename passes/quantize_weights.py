@@ -10,6 +10,7 @@ embedding and LM head) is quantized once and shared.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -75,9 +76,14 @@ def _as_linear(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, Any, 
     return None
 
 
-def _scheme(bits: int, group: int, symmetric: bool, packed_zeros: bool) -> QuantScheme:
+def _scheme(bits: int, group: int = 32, symmetric: bool = False, packed_zeros: bool = False) -> QuantScheme:
     """int8 ignores the zero-point options (it is symmetric)."""
     return QuantScheme(bits, group, symmetric, packed_zeros) if bits == 4 else QuantScheme(bits, group)
+
+
+def _override(target: str, special: list[tuple[str, QuantScheme]], default: QuantScheme) -> QuantScheme:
+    """The scheme of the first override whose name is in the weight's name, else the default."""
+    return next((scheme for name, scheme in special if name in target), default)
 
 
 def _swap(graph: torch.fx.Graph, node: torch.fx.Node, op: Any, args: tuple) -> None:
@@ -96,11 +102,13 @@ def quantize_weights(
     lm_head_bits: int = 8,
     quantize_embedding: bool = False,
     keep: tuple[str, ...] | list[str] = (),
+    overrides: Sequence[tuple[str, dict[str, Any]]] = (),
 ) -> tuple[Program, dict[str, Any]]:
     try:
         scheme = _scheme(bits, group, symmetric, packed_zeros)
         head_scheme = _scheme(lm_head_bits, group, symmetric, packed_zeros)
-    except ValueError as exc:
+        special = [(name, _scheme(**options)) for name, options in overrides]
+    except (TypeError, ValueError) as exc:
         raise PassError(f"quantize_weights: {exc}") from None
     gm = program.graph_module
     graph = gm.graph
@@ -116,7 +124,7 @@ def quantize_weights(
         if (node is head and keep_lm_head) or any(k in weight.target for k in keep):
             kept += 1
             continue
-        node_scheme = head_scheme if node is head else scheme
+        node_scheme = head_scheme if node is head else _override(weight.target, special, scheme)
         packed, names = store.get(weight.target, node_scheme, transposed)
         qweight, scales, zeros = store.attrs(node, names)
         _swap(graph, node, QLINEAR.overload, (x, qweight, scales, zeros, bias, node_scheme.bits, packed.in_features))
@@ -139,6 +147,7 @@ def quantize_weights(
     finish(gm)
     return program, {
         "scheme": scheme.name,
+        "overrides": {name: override.name for name, override in special},
         "lm_head": "kept" if keep_lm_head else head_scheme.name,
         "linears_quantized": quantized,
         "linears_kept": kept,
@@ -150,8 +159,9 @@ def quantize_weights(
 
 def _tolerance(options: dict[str, Any]) -> float:
     """Largest logit change (relative to the largest logit) verification accepts: int8 rounding moves logits
-    by well under 5% of their range on the models we test, int4 by well under 40%."""
-    return 0.05 if options.get("bits", 4) == 8 else 0.4
+    by well under 5% of their range on the models we test, int4 (any weight of it) by well under 40%."""
+    int4 = options.get("bits", 4) == 4 or any(o.get("bits") == 4 for _, o in options.get("overrides", ()))
+    return 0.4 if int4 else 0.05
 
 
 register_pass(
@@ -164,7 +174,9 @@ register_pass(
             "asymmetric with float zero points, or with packed 4-bit ones), in ONNX Runtime MatMulNBits' "
             "layout. Options: bits, group, symmetric, packed_zeros, lm_head_bits (8 by default: the LM head "
             "in int8 under int4), keep_lm_head, "
-            "quantize_embedding (llmlower::qembedding), keep (weight-name substrings left in full precision). "
+            "quantize_embedding (llmlower::qembedding), keep (weight-name substrings left in full precision), "
+            "overrides ([name substring, {bits, group, symmetric, packed_zeros}] pairs: the first whose name is in "
+            "a linear's weight name sets its scheme; not the LM head's). "
             "A tied embedding/LM head weight is quantized once."
         ),
         run=quantize_weights,

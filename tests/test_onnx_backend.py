@@ -54,7 +54,7 @@ def test_fp32_onnx_matches_the_torch_reference(arch, tiny_checkpoints):
     assert _max_difference(program) <= 1e-4
 
 
-@pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4g128-sym"])
+@pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4g128-sym", "q4mix"])
 def test_quantized_lowering_is_exact_in_float32(quant, tiny_checkpoints):
     """With MatMulNBits computing in float32 (accuracy_level 0) the int4 lowering, including float zero
     points split into a symmetric MatMulNBits plus a group-sum correction, computes the reference's product."""

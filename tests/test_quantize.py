@@ -12,11 +12,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from llmlower.errors import PassError
 from llmlower.frontend import capture, load
 from llmlower.ir import QEMBEDDING, QLINEAR
 from llmlower.ir.program import fetch_attr
 from llmlower.ir.quant import QuantScheme, dequantize, quantize
-from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
+from llmlower.passes import DEFAULT_PIPELINE, build_pipeline, run_pipeline
 
 SCHEMES = [
     QuantScheme(8, 32),
@@ -141,6 +142,29 @@ def test_keep_options_leave_layers_in_full_precision(gpt2_program):
     assert all(".h.1." in t for t in targets)
 
 
+def test_overrides_give_matching_weights_their_own_scheme(gpt2_program):
+    """The first override whose name is in a weight's name sets its scheme (here the MLP's c_fc to int4 with
+    packed zero points); the rest take the default (int8), the LM head its own; a bad override is named."""
+    options = {"bits": 8, "overrides": [["mlp.c_fc", {"bits": 4, "group": 32, "packed_zeros": True}]]}
+    program = run_pipeline(copy.deepcopy(gpt2_program), [("quantize_weights", options)], verify=True)
+    assert program.history[-1].stats["overrides"] == {"mlp.c_fc": "q4g32-zp4"}
+    gm = program.graph_module
+    for node in _targets(program, QLINEAR.overload):
+        int4 = "mlp.c_fc" in node.args[1].target
+        assert node.args[5] == (4 if int4 else 8), node.args[1].target
+        assert (node.args[3] is not None and fetch_attr(gm, node.args[3].target).dtype == torch.uint8) == int4
+    bad = {"bits": 8, "overrides": [["c_fc", {"bits": 3}]]}
+    with pytest.raises(PassError, match="quantize_weights: bits must be 4 or 8"):
+        run_pipeline(copy.deepcopy(gpt2_program), [("quantize_weights", bad)])
+
+
+def test_q4mix_is_int4_where_it_is_cheap_and_int8_elsewhere():
+    options = build_pipeline(quant="q4mix")[-1][1]
+    assert options["bits"] == 8
+    assert [name for name, _ in options["overrides"]] == ["o_proj", "gate_proj", "up_proj"]
+    assert all(o == {"bits": 4, "group": 32, "packed_zeros": True} for _, o in options["overrides"])
+
+
 def test_float_zero_points_reproduce_a_q4_1_grid_exactly():
     """Weights already on llama.cpp's Q4_1 grid (scale d, offset m per 32) survive requantization exactly with
     float zero points; 4-bit integer zero points shift each group."""
@@ -164,7 +188,5 @@ def test_int4_verification_bounds_and_sizes(gpt2_program):
 
 
 def test_bad_group_size_is_named(gpt2_program):
-    from llmlower.errors import PassError
-
     with pytest.raises(PassError, match="group size"):
         run_pipeline(copy.deepcopy(gpt2_program), [("quantize_weights", {"bits": 4, "group": 48})])

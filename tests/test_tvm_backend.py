@@ -97,7 +97,7 @@ def test_fp32_tvm_matches_the_torch_reference(arch, captures):
     assert _max_difference(_paged(captures, arch)) <= TOLERANCE
 
 
-@pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4g128-sym"])
+@pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4g128-sym", "q4mix"])
 def test_quantized_lowering_is_exact(quant, captures):
     """Dequantize-in-matmul computes in float32: the reference's product, int4 zero points of every kind."""
     assert _max_difference(_paged(captures, "llama", quant=quant)) <= TOLERANCE
