@@ -1,7 +1,7 @@
 """Decode speed and time to first token, measured in one run for every engine in the table.
 
 Rows: transformers eager (its own forward with a DynamicCache, fp32), llmlower's torch reference backend
-(fp32), llmlower ONNX artifacts (fp32, q8, q4g32) and TVM CPU artifacts (fp32, q4g32), compiled once into
+(fp32), llmlower ONNX artifacts (fp32, q8, q4g32, q4mix, ...) and TVM CPU artifacts (fp32, q4g32), compiled once into
 --artifacts and reused, and the peers of benchmarks/peers/ (ONNX Runtime GenAI int4, llama.cpp on the
 example's Q4_1 GGUF) where their setup.sh has been run. Same token sequences everywhere. Decode: batch 1,
 N new tokens (greedy, EOS ignored), tokens/s as the median over repeats. TTFT: prefill of a 13-token and a
@@ -56,6 +56,7 @@ ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline op
     "onnx fp32": ("none", "onnx", {}),
     "onnx q8": ("q8", "onnx", {"quant": "q8"}),
     "onnx q4g32": ("q4g32", "onnx", {"quant": "q4g32"}),
+    "onnx q4mix": ("q4mix", "onnx", {"quant": "q4mix"}),
     "onnx q4g32-sym int4 head": ("q4g32-sym-head4", "onnx", {"quant": "q4g32-sym", "lm_head_bits": 4}),
     "tvm fp32": ("tvm-none", "tvm", {}),
     "tvm q4g32": ("tvm-q4g32", "tvm", {"quant": "q4g32"}),
