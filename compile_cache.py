@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .passes.manager import PassSpec
 
 # what generate and chat compile a model with unless --quant / --backend say otherwise
-RECOMMENDED_QUANT = "q4g32"
+RECOMMENDED_QUANT = "q4mix"
 RECOMMENDED_BACKEND = "onnx"
 KEY_FILE = "cache_key.json"
 # __version__ stays the same between commits of an editable install, so the compiler's own source is hashed too
