@@ -3,12 +3,15 @@ dequantized inside the kernel), for any number of rows: decode's few and prefill
 
 Schedule: the output columns (weight rows) are split into chunks of `ROWS_PER_CHUNK` that the threads share
 (`parallel`); a chunk's weights are dequantized once into a small buffer (`compute_at`) and reused by every
-activation row; each dot product runs `LANES` partial sums in vector registers (`rfactor` + `vectorize`)
-and adds them up at the end. Elementwise epilogues (bias, cast, residual add) are folded into the write-back.
+activation row (in the target's widest vectors: 16 float32 lanes with AVX-512, else `LANES`); each dot product
+runs `LANES` partial sums in vector registers (`rfactor` + `vectorize`) and adds them up at the end. Producers
+the matmul reads at the activation's rows only (a reordering of x) stay whole, computed once. Elementwise
+epilogues (bias, cast, residual add) are folded into the write-back.
 """
 
 from __future__ import annotations
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
@@ -16,6 +19,7 @@ from tvm.target import Target
 
 ROWS_PER_CHUNK = 8
 LANES = 8  # one AVX2 float32 vector: ROWS_PER_CHUNK accumulators + x + w fit the 16 vector registers
+AVX512_LANES = 16  # for the dequantize loops (16-lane dot products measured slower in prefill on Zen 4)
 
 
 class WeightRowMatmul(CPUScheduleRule):
@@ -39,17 +43,26 @@ class WeightRowMatmul(CPUScheduleRule):
         reduce_extent = reductions[0].iters[-1].dom
         if not isinstance(reduce_extent, tirx.IntImm | int) or int(reduce_extent) % LANES:
             return None
+        unpack_lanes = dequantize_lanes(target, int(reduce_extent))
         index = infos.index(reductions[0])
-        producers = [info.block_rv for info in infos[:index]]
+        producers = [info.block_rv for info in infos[:index] if _read_per_column(sch, block, info.block_rv)]
         consumers = [info.block_rv for info in infos[index + 1 :]]
 
         try:
-            return _schedule(sch, block, loops, producers, consumers)
+            return _schedule(sch, block, loops, producers, consumers, unpack_lanes)
         except s_tir.ScheduleError:
             return None
 
 
-def _schedule(sch: s_tir.Schedule, block, loops, producers, consumers) -> s_tir.Schedule:
+def dequantize_lanes(target: Target, width: int) -> int:
+    """float32 lanes of the dequantize loops over `width` weights: 16 with AVX-512 (one 16-byte load of 4-bit
+    weights unpacks into two registers: decode's q4 matmuls twice as fast as with 8) where they divide it,
+    else LANES."""
+    features = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target)}
+    return AVX512_LANES if "avx512f" in features and width % AVX512_LANES == 0 else LANES
+
+
+def _schedule(sch: s_tir.Schedule, block, loops, producers, consumers, unpack_lanes: int) -> s_tir.Schedule:
     *rows, column, k = loops
     chunk, column = sch.split(column, [None, ROWS_PER_CHUNK])
     k_outer, lane = sch.split(k, [None, LANES])
@@ -64,11 +77,26 @@ def _schedule(sch: s_tir.Schedule, block, loops, producers, consumers) -> s_tir.
     sch.reverse_compute_at(block, row)  # add the lanes up once a row's dot products are done
     for producer in reversed(producers):  # dequantize a chunk of weight rows once, for all activation rows
         sch.compute_at(producer, partial_loops[0])
-        _, lanes = sch.split(sch.get_loops(producer)[-1], [None, LANES])
-        sch.vectorize(lanes)
+        _, vector = sch.split(sch.get_loops(producer)[-1], [None, unpack_lanes])
+        sch.vectorize(vector)
     for consumer in consumers:
         try:
             sch.reverse_compute_inline(consumer)
         except s_tir.ScheduleError:  # e.g. a residual add reading another tensor too: right after each row
             sch.reverse_compute_at(consumer, row)
     return sch
+
+
+def _read_per_column(sch: s_tir.Schedule, block, producer) -> bool:
+    """Whether the matmul reads the producer's output at its output column (a weight row) rather than only
+    at the activation's rows and the reduction."""
+    matmul = sch.get(block)
+    column = matmul.iter_vars[-2].var
+    written = sch.get(producer).writes[0].source
+    return any(
+        var.same_as(column)
+        for region in matmul.reads
+        if region.source.same_as(written)
+        for bounds in region.region
+        for var in tirx.analysis.undefined_vars(bounds.min)
+    )

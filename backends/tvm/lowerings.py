@@ -146,31 +146,53 @@ def paged_qkv_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Ex
     return relax.Tuple([out, k_pool, v_pool])
 
 
-def _dequantized(qweight: te.Tensor, scales: te.Tensor, zeros: te.Tensor | None, bits: int, width: int):
+def _dequantized(
+    qweight: te.Tensor, scales: te.Tensor, zeros: te.Tensor | None, bits: int, nibble_major: bool = False
+) -> Callable[[tirx.PrimExpr, tirx.PrimExpr], tirx.PrimExpr]:
     """A TE expression builder w(n, k) for the float weight of a quantized one (ir/quant.py's layout:
-    qweight [N, blocks, bytes per block], nibbles low first; zeros None, float [N, blocks] or nibbles)."""
+    qweight [N, blocks, bytes per block], nibbles low first; zeros None, float [N, blocks] or nibbles).
+    `nibble_major` (4 bits): k counts each group's low nibbles, then its high ones (see `_nibble_order`)."""
     per_byte = 8 // bits
     group = int(qweight.shape[2]) * per_byte
+    half = group // 2
+
+    def quantized(n: tirx.PrimExpr, k: tirx.PrimExpr) -> tirx.PrimExpr:
+        if bits == 8:
+            return qweight[n, k // group, k % group]
+        if nibble_major:  # consecutive k: consecutive bytes, one shift
+            return (qweight[n, k // group, k % half] >> (k % group // half * 4).astype("uint8")) & 15
+        return (qweight[n, k // group, k % group // 2] >> (k % 2 * 4).astype("uint8")) & 15
 
     def weight(n: tirx.PrimExpr, k: tirx.PrimExpr) -> tirx.PrimExpr:
-        block, offset = k // group, k % group
-        byte = qweight[n, block, offset // per_byte]
-        q = (byte >> ((offset % per_byte) * 4).astype("uint8")) & 15 if bits == 4 else byte
+        block = k // group
         if zeros is None:
             zero = tirx.const(2 ** (bits - 1), scales.dtype)
         elif zeros.dtype == "uint8":
             zero = ((zeros[n, block // 2] >> ((block % 2) * 4).astype("uint8")) & 15).astype(scales.dtype)
         else:
             zero = zeros[n, block]
-        return (q.astype(scales.dtype) - zero) * scales[n, block]
+        return (quantized(n, k).astype(scales.dtype) - zero) * scales[n, block]
 
     return weight
 
 
-def _qlinear_te(x: te.Tensor, qweight, scales, zeros, bias, bits: int, in_features: int) -> te.Tensor:
-    """x @ dequantize(w).T (+ bias), accumulated in float32 whatever x's dtype."""
-    weight = _dequantized(qweight, scales, zeros, bits, in_features)
+def _nibble_order(group: int) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """The input feature a 4-bit matmul reduces at step k: each group's low nibbles (even features) first, then
+    its high ones (odd features), so that consecutive steps read consecutive weight bytes (vector loads)."""
+    half = group // 2
+    return lambda k: k // group * group + k % half * 2 + k % group // half
+
+
+def _qlinear_te(x: te.Tensor, qweight, scales, zeros, bias, bits: int, in_features: int, cpu: bool) -> te.Tensor:
+    """x @ dequantize(w).T (+ bias), accumulated in float32 whatever x's dtype. On the CPU, 4-bit weights are
+    reduced in `_nibble_order` (DLight's GPU GEMV rule fails on the reordered x)."""
+    group = int(qweight.shape[2]) * 8 // bits
+    nibble_major = cpu and bits == 4 and in_features % group == 0  # (a padded last group keeps the plain order)
+    weight = _dequantized(qweight, scales, zeros, bits, nibble_major)
     w = te.compute((qweight.shape[0], in_features), weight, name="dequantize")
+    if nibble_major:  # x's features in the weight's order, once (the matmul then reads both contiguously)
+        feature = _nibble_order(group)
+        x = te.compute(x.shape, lambda *i: x[(*i[:-1], feature(i[-1]))], name="nibble_order")
     k = te.reduce_axis((0, in_features), name="k")
     out = te.compute(
         (*x.shape[:-1], qweight.shape[0]),
@@ -192,7 +214,7 @@ def qlinear(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
         rest = list(rest)
         z = rest.pop(0) if zeros is not None else None
         b = rest.pop(0) if bias is not None else None
-        return _qlinear_te(x, qweight, scales, z, b, bits, in_features)
+        return _qlinear_te(x, qweight, scales, z, b, bits, in_features, importer.target.kind.name == "llvm")
 
     return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="dequantize_matmul")
 
@@ -202,7 +224,7 @@ def qembedding(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     tensors = [ids, qweight, scales] + ([zeros] if zeros is not None else [])
 
     def compute(ids, qweight, scales, zeros=None):
-        weight = _dequantized(qweight, scales, zeros, bits, dim)
+        weight = _dequantized(qweight, scales, zeros, bits)
         return te.compute((*ids.shape, dim), lambda *i: weight(ids[i[:-1]], i[-1]), name="dequantize_take")
 
     return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="dequantize_take")

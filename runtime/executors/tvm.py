@@ -16,6 +16,8 @@ else the artifact is refused naming the missing ones, instead of the first kerne
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from ..executor import (
 
 STEP, COPY_BLOCKS = "step", "copy_blocks"
 DEVICES = {"cpu": tvm.cpu, "cuda": tvm.cuda}
+SHARE_ALL_CORES = -3  # TVM's kSpecifyThreadShareAllCore: the threads may run on any of the named CPUs
 
 
 def check_device(artifact: Path, device: str) -> None:
@@ -54,6 +57,14 @@ def check_device(artifact: Path, device: str) -> None:
             f"{artifact}: this artifact runs on CUDA, and TVM's runtime here finds no CUDA device (no NVIDIA GPU "
             "or driver, or a TVM built without CUDA); compile it with --target cpu to run on the CPU"
         )
+
+
+def use_threads(threads: int) -> None:
+    """Run the calling thread's TVM kernels on `threads` threads (TVM's pool is per calling thread). Named, this
+    process's CPUs lift the cap TVM otherwise puts on the pool when it starts: half the logical CPUs on x86
+    (hyper-threads assumed), which is one thread on a 2-vCPU VM whatever is asked."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    tvm.get_global_func("runtime.config_threadpool")(SHARE_ALL_CORES, threads, [str(c) for c in cpus])
 
 
 def use_prebuilt_kernels(binary: bytes, source_sha256: str) -> None:
@@ -93,8 +104,7 @@ class TvmExecutor(Executor):
     ) -> None:
         """`inputs`: the step function's data inputs in call order (the weights follow them, in `weights`'
         order); `all_positions`: the step returns every packed token's logits (no last_token_logits)."""
-        if threads > 0:
-            tvm.get_global_func("runtime.config_threadpool")(1, threads)  # TVM's pool: 1 = big cores first
+        self.threads, self._pooled = threads, threading.local()
         self.kv_layout = KVLayout.PAGED
         self.block_size, self.num_blocks, self.max_context = block_size, num_blocks, max_context
         self.all_positions = all_positions
@@ -168,6 +178,7 @@ class TvmExecutor(Executor):
         for source, destination in pairs:
             if not (0 <= source < self.num_blocks and 0 <= destination < self.num_blocks):
                 raise GenerationError(f"copy_blocks: block pair {(source, destination)} is outside the pool")
+        self._configure_pool()
         pools = list(self.pools.values())
         for sources, destinations in copy_rounds(pairs):
             indices = [tvm.runtime.tensor(np.array(i, dtype=np.int32), self.device) for i in (sources, destinations)]
@@ -175,9 +186,17 @@ class TvmExecutor(Executor):
 
     def _run(self, batch: StepBatch) -> np.ndarray:
         """Run the step function on the packed batch; returns the program's logits."""
+        self._configure_pool()
         values = step_arrays(pack_batch(batch))
         args = [
             self.pools[name] if name in self.pools else tvm.runtime.tensor(values[name], self.device)
             for name in self.inputs
         ]
         return self._step(*args, *self.params).numpy()
+
+    def _configure_pool(self) -> None:
+        """Give the calling thread's TVM pool `threads` threads, once per thread (an engine steps on its own
+        thread, not the one that built the executor)."""
+        if self.threads > 0 and not getattr(self._pooled, "done", False):
+            use_threads(self.threads)
+            self._pooled.done = True
