@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -18,12 +17,11 @@ DEFAULT_PIPELINE: tuple[str, ...] = ("canonicalize", *FUSION, "kv_cache", "fuse_
 QUANT_NAMES = (
     "none, q8, q8g64, q8g128, q4g32, q4g64, q4g128 (asymmetric; -zp4: 4-bit zero points; -sym: symmetric), q4mix"
 )
-ZP4 = {"bits": 4, "group": 32, "packed_zeros": True}
 # q4mix: q4g32-zp4 where int4 costs little quality (the attention output and the MLP's gate/up projections,
 # ~60% of a Llama layer's weights), q8 for q/k/v, down and the LM head, the projections most sensitive to
 # int4's rounded zero points (SmolLM2, tests/data/perplexity.txt: q/k/v +10%, down +6%, o +1%, gate/up +3%).
 # No float zero points: no correction ops (MatMulNBits takes both natively).
-MIXES = {"q4mix": {"bits": 8, "group": 32, "overrides": [[name, ZP4] for name in ("o_proj", "gate_proj", "up_proj")]}}
+MIXES = {"q4mix": ("q8", "q4g32-zp4", ("o_proj", "gate_proj", "up_proj"))}  # name -> (base, int4 scheme, its weights)
 _INT8 = re.compile(r"q8(?:g(32|64|128))?")
 _INT4 = re.compile(r"q4g(32|64|128)(-sym|-zp4)?")
 
@@ -33,7 +31,8 @@ def parse_quant(name: str) -> dict[str, Any] | None:
     if name == "none":
         return None
     if name in MIXES:
-        return copy.deepcopy(MIXES[name])
+        base, special, weights = MIXES[name]
+        return {**parse_quant(base), "overrides": [[weight, parse_quant(special)] for weight in weights]}
     match = _INT8.fullmatch(name)
     if match is not None:
         return {"bits": 8, "group": int(match.group(1) or 32)}

@@ -162,7 +162,7 @@ def test_q4mix_is_int4_where_it_is_cheap_and_int8_elsewhere():
     options = build_pipeline(quant="q4mix")[-1][1]
     assert options["bits"] == 8
     assert [name for name, _ in options["overrides"]] == ["o_proj", "gate_proj", "up_proj"]
-    assert all(o == {"bits": 4, "group": 32, "packed_zeros": True} for _, o in options["overrides"])
+    assert all(o == {"bits": 4, "group": 32, "symmetric": False, "packed_zeros": True} for _, o in options["overrides"])
 
 
 def test_float_zero_points_reproduce_a_q4_1_grid_exactly():
