@@ -3,6 +3,10 @@ names and the two KV layouts. Plain Python (no torch): the compiler and the runt
 
 A step runs the new tokens of several sequences at once. Every program takes `input_ids` and `position_ids`,
 and, once it has a KV cache, each sequence's `past_lens` (tokens already cached) and `input_lens` (new tokens).
+A program that computes the LM head only where tokens are sampled (the last_token_logits pass) also takes
+`logits_indices`: the step's token positions, flattened row-major ([batch * tokens] for SLOTS, the packed row for
+PAGED), whose logits it returns, [len(logits_indices), 1, vocab] — each sequence's last token in a plain step, its
+last k+1 tokens when speculative decoding scores k proposed tokens at once.
 How the cache is addressed is the program's KV layout:
 
 - SLOTS: one contiguous cache per sequence slot, `k_cache_<layer>` / `v_cache_<layer>` of
@@ -22,6 +26,7 @@ INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 PAST_LENS = "past_lens"
 INPUT_LENS = "input_lens"
+LOGITS_INDICES = "logits_indices"
 BLOCK_TABLES = "block_tables"
 LOGITS = "logits"
 PRESENT_PREFIX = "present_"  # ONNX names each value once: the updated cache k_cache_0 is output present_k_cache_0

@@ -15,11 +15,11 @@ import torch
 import torch.fx
 
 from ..spec import ModelSpec
-from ..step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout
+from ..step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, LOGITS_INDICES, PAST_LENS, POSITION_IDS, KVLayout
 from ..step_io import LOGITS as LOGITS  # re-exported: the program's names are the step interface's
 from ..step_io import cache_names as cache_names
 
-DIM_NAMES = ("batch", "tokens", "context", "seqs", "blocks", "pool")
+DIM_NAMES = ("batch", "tokens", "context", "seqs", "blocks", "pool", "logits")
 _MAX_BATCH = 4096
 _MAX_PACKED_TOKENS = 1 << 16  # a PAGED step packs every sequence's tokens into one row
 
@@ -125,6 +125,7 @@ class Program:
             "seqs": torch.export.Dim("seqs", min=1, max=_MAX_BATCH),
             "blocks": torch.export.Dim("blocks", min=1, max=self.spec.max_positions),
             "pool": torch.export.Dim("pool", min=2, max=1 << 24),
+            "logits": torch.export.Dim("logits", min=1, max=_MAX_PACKED_TOKENS),
         }
         sizes = {"batch": 2, "tokens": 5, "context": 7, "seqs": 2, "blocks": 3, "pool": 7} | fixed
         if paged:
@@ -205,6 +206,7 @@ def example_inputs(
         POSITION_IDS: past[:, None] + torch.arange(tokens)[None, :],
         PAST_LENS: past,
         INPUT_LENS: lens,
+        LOGITS_INDICES: torch.arange(batch) * tokens + lens - 1,  # each sequence's last token
     }
     sizes = {"batch": batch, "tokens": tokens, "context": context}
     for t in program.inputs:
@@ -238,6 +240,7 @@ def paged_example_inputs(
         PAST_LENS: past,
         INPUT_LENS: lens,
         BLOCK_TABLES: torch.randint(0, pool, (seqs, blocks), generator=gen),
+        LOGITS_INDICES: torch.cumsum(lens, 0) - 1,  # each sequence's last token
     }
     sizes = {"tokens": tokens, "seqs": seqs, "blocks": blocks, "pool": pool}
     for t in program.inputs:

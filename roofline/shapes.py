@@ -10,6 +10,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..ir.program import INPUT_IDS, INPUT_LENS, PAST_LENS, POSITION_IDS, Program
+from ..step_io import LOGITS_INDICES
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ def step_inputs(program: Program, step: Step) -> list[torch.Tensor]:
         POSITION_IDS: step.past + torch.arange(step.tokens).repeat(step.batch, 1),
         PAST_LENS: torch.full((step.batch,), step.past, dtype=torch.int64),
         INPUT_LENS: torch.full((step.batch,), step.tokens, dtype=torch.int64),
+        LOGITS_INDICES: torch.arange(1, step.batch + 1) * step.tokens - 1,  # each sequence's last token
     }
     inputs = []
     for t in program.inputs:

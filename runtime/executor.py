@@ -16,17 +16,28 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GenerationError
-from ..step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout
+from ..step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, LOGITS_INDICES, PAST_LENS, POSITION_IDS, KVLayout
 
 
 @dataclass(frozen=True)
 class StepBatch:
     """One forward step over several sequences: the tokens each brings (a prompt chunk, or one token in
-    decode), how many it already has in the cache, and its block table (covering past and new tokens)."""
+    decode), how many it already has in the cache, and its block table (covering past and new tokens).
+    `num_logits`: how many of each sequence's last new tokens get logits (default one: the last; k + 1 when
+    verifying k speculative tokens)."""
 
     tokens: Sequence[Sequence[int]]
     past_lens: Sequence[int]
     block_tables: Sequence[Sequence[int]]
+    num_logits: Sequence[int] | None = None
+
+    def logits_counts(self) -> np.ndarray:
+        """int64 [seqs]: the logits rows each sequence gets, checked against its new tokens."""
+        lens = np.array([len(t) for t in self.tokens], dtype=np.int64)
+        counts = np.ones_like(lens) if self.num_logits is None else np.asarray(self.num_logits, dtype=np.int64)
+        if counts.shape != lens.shape or (counts < 1).any() or (counts > lens).any():
+            raise GenerationError(f"num_logits {list(counts)}: each needs 1..its new tokens ({lens.tolist()})")
+        return counts
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,7 @@ class PaddedBatch:
     position_ids: np.ndarray  # [batch, tokens]
     past_lens: np.ndarray  # [batch]
     input_lens: np.ndarray  # [batch]
+    logits_indices: np.ndarray  # [logits]: flat indices into [batch, tokens] of the rows that get logits
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,14 @@ class PackedBatch:
     past_lens: np.ndarray  # [seqs]
     input_lens: np.ndarray  # [seqs]
     block_tables: np.ndarray  # [seqs, max blocks], unused entries 0
+    logits_indices: np.ndarray  # [logits]: indices into the packed row of the tokens that get logits
+
+
+def _last_indices(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For sequences whose new tokens end (exclusive) at flat positions `ends`, the last `counts` positions of
+    each, in order."""
+    starts = np.repeat(ends - counts, counts)
+    return starts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _lengths(batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
@@ -65,7 +85,8 @@ def pad_batch(batch: StepBatch, pad_id: int = 0) -> PaddedBatch:
     for row, tokens in enumerate(batch.tokens):
         input_ids[row, : len(tokens)] = tokens
     steps = np.minimum(np.arange(width)[None, :], input_lens[:, None] - 1)
-    return PaddedBatch(input_ids, past_lens[:, None] + steps, past_lens, input_lens)
+    indices = _last_indices(np.arange(len(input_lens)) * width + input_lens, batch.logits_counts())
+    return PaddedBatch(input_ids, past_lens[:, None] + steps, past_lens, input_lens, indices)
 
 
 def pack_batch(batch: StepBatch) -> PackedBatch:
@@ -77,7 +98,8 @@ def pack_batch(batch: StepBatch) -> PackedBatch:
     tables = np.zeros((len(input_lens), max(len(t) for t in batch.block_tables)), dtype=np.int64)
     for row, table in enumerate(batch.block_tables):
         tables[row, : len(table)] = table
-    return PackedBatch(ids, positions[None], past_lens, input_lens, tables)
+    indices = _last_indices(np.cumsum(input_lens), batch.logits_counts())
+    return PackedBatch(ids, positions[None], past_lens, input_lens, tables, indices)
 
 
 def step_arrays(batch: PaddedBatch | PackedBatch) -> dict[str, np.ndarray]:
@@ -87,22 +109,18 @@ def step_arrays(batch: PaddedBatch | PackedBatch) -> dict[str, np.ndarray]:
         POSITION_IDS: batch.position_ids,
         PAST_LENS: batch.past_lens,
         INPUT_LENS: batch.input_lens,
+        LOGITS_INDICES: batch.logits_indices,
     }
     if isinstance(batch, PackedBatch):
         arrays[BLOCK_TABLES] = batch.block_tables
     return arrays
 
 
-def last_token_logits(logits: np.ndarray, input_lens: np.ndarray, layout: KVLayout) -> np.ndarray:
-    """float32 [seqs, vocab] of each sequence's last new token, from a program's logits: last-token ones
-    ([seqs, 1, vocab]) or every position's (SLOTS [batch, tokens, vocab]; PAGED packed [1, tokens, vocab])."""
-    if logits.shape[1] == 1:  # last-token logits (or every position of one-token sequences: the same rows)
-        logits = logits[:, 0]
-    elif layout is KVLayout.PAGED:
-        logits = logits[0, np.cumsum(input_lens) - 1]
-    else:
-        logits = logits[np.arange(len(input_lens)), input_lens - 1]
-    return logits.astype(np.float32, copy=False)
+def step_logits(logits: np.ndarray, indices: np.ndarray, all_positions: bool) -> np.ndarray:
+    """float32 [len(indices), vocab]: the rows a step asked for, from a program's logits — those it computed
+    ([logits, 1, vocab], last_token_logits) or, `all_positions`, every position's ([rows, tokens, vocab])."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    return (rows[indices] if all_positions else rows).astype(np.float32, copy=False)
 
 
 class Executor(ABC):
@@ -120,7 +138,8 @@ class Executor(ABC):
 
     @abstractmethod
     def step(self, batch: StepBatch) -> np.ndarray:
-        """Run one step; returns float32 logits [len(batch.tokens), vocab] of each sequence's last new token."""
+        """Run one step; returns float32 logits [sum(num_logits), vocab]: each sequence's last new token (its last
+        num_logits ones, in order), sequence after sequence."""
 
     @abstractmethod
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

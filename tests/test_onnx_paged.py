@@ -28,10 +28,10 @@ from llmlower.errors import GenerationError
 from llmlower.passes import DEFAULT_PIPELINE
 from llmlower.runtime import Engine, StepBatch
 from llmlower.runtime.artifact import read_manifest
-from llmlower.runtime.executor import copy_rounds, last_token_logits, pack_batch
+from llmlower.runtime.executor import copy_rounds, pack_batch, step_arrays, step_logits
 from llmlower.runtime.executors import onnx_paged
 from llmlower.runtime.executors.onnx_paged import OnnxPagedExecutor
-from llmlower.step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout, pool_names
+from llmlower.step_io import BLOCK_TABLES, KVLayout, pool_names
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 2, 4, 2, 16, 16  # tests/conftest.py's tiny Llama
 POOL_BLOCKS = 12
@@ -226,19 +226,12 @@ def test_graph_computes_the_torch_reference_step(model, reference_program):
     expected = reference.step(STEP)
 
     packed = pack_batch(STEP)
-    feeds = {
-        INPUT_IDS: packed.input_ids,
-        POSITION_IDS: packed.position_ids,
-        PAST_LENS: packed.past_lens,
-        INPUT_LENS: packed.input_lens,
-        BLOCK_TABLES: packed.block_tables,
-        **pools,
-    }
+    feeds = {**step_arrays(packed), **pools}
     evaluator = ReferenceEvaluator(model, new_ops=CONTRIB_OPS)
     names = [o.name for o in model.graph.output]
     outputs = dict(zip(names, evaluator.run(None, {i.name: feeds[i.name] for i in model.graph.input}), strict=True))
 
-    logits = last_token_logits(outputs["logits"], packed.input_lens, KVLayout.PAGED)
+    logits = step_logits(outputs["logits"], packed.logits_indices, all_positions=False)
     assert logits.shape == expected.shape == (3, reference_program.spec.vocab_size)
     np.testing.assert_allclose(logits, expected, atol=2e-2, rtol=0)
     assert (logits.argmax(-1) == expected.argmax(-1)).all()

@@ -25,7 +25,7 @@ def test_the_paged_program_computes_what_the_slot_program_does(arch, tiny_checkp
     shapes = {t.name: t.shape for t in program.inputs}
     assert shapes["input_ids"] == (1, "tokens") and shapes["block_tables"] == ("seqs", "blocks")
     assert shapes["k_pool_0"] == ("pool", 4, program.spec.num_kv_heads, program.spec.head_dim)
-    assert program.outputs[0].shape == ("seqs", 1, program.spec.vocab_size)
+    assert program.outputs[0].shape == ("logits", 1, program.spec.vocab_size)
 
 
 def test_the_pass_refuses_programs_it_cannot_page(tiny_llama):

@@ -18,13 +18,13 @@ from ...ir.program import Program
 from ...runtime.executor import (
     Executor,
     StepBatch,
-    last_token_logits,
     pack_batch,
     pad_batch,
     sequential_block_tables,
     step_arrays,
+    step_logits,
 )
-from ...step_io import LOGITS, KVLayout, cache_layer
+from ...step_io import LOGITS, LOGITS_INDICES, KVLayout, cache_layer
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_SEQUENCES = 4  # KV room when no pool size is given: this many sequences of max_context
@@ -61,17 +61,22 @@ class TorchExecutor(Executor):
                 shape = (self.num_blocks // per_sequence, t.shape[1], per_sequence * self.block_size, t.shape[3])
             self.caches[t.name] = torch.zeros(shape, dtype=dtype)
 
+    @property
+    def all_positions(self) -> bool:
+        """The program returns every position's logits (no last_token_logits)."""
+        return self.program.outputs[self.program.output_names.index(LOGITS)].shape[1] != 1
+
     def step(self, batch: StepBatch) -> np.ndarray:
         self.check_step(batch)
-        logits = self._run(batch)[LOGITS].float().numpy()
-        return last_token_logits(logits, np.array([len(t) for t in batch.tokens]), self.kv_layout)
+        outputs, arrays = self._run(batch)
+        return step_logits(outputs[LOGITS].float().numpy(), arrays[LOGITS_INDICES], self.all_positions)
 
     def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
-        if self.program.outputs[self.program.output_names.index(LOGITS)].shape[1] == 1 and len(tokens) > 1:
+        if not self.all_positions and len(tokens) > 1:
             raise GenerationError("this program computes last-token logits only; compile without last_token_logits")
         batch = StepBatch([tokens], [0], sequential_block_tables(self, [len(tokens)]))
         self.check_step(batch)
-        return self._run(batch)[LOGITS][0].float().numpy()
+        return self._run(batch)[0][LOGITS][0].float().numpy()
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         for cache in self.caches.values():
@@ -86,36 +91,38 @@ class TorchExecutor(Executor):
         slot, index = divmod(block, self.blocks_per_slot)
         return slot, slice(None), slice(index * self.block_size, (index + 1) * self.block_size)
 
-    def _run(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+    def _run(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+        """Run a step; returns the program's outputs and the step's input arrays."""
         if self.kv_layout is KVLayout.PAGED:
             return self._run_paged(batch)
         return self._run_slots(batch)
 
-    def _run_paged(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+    def _run_paged(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         """Run on the blocks the step's tables name (renumbered 0..n-1) and store them back."""
         packed = pack_batch(batch)
         blocks, local = np.unique(packed.block_tables, return_inverse=True)
         rows = torch.from_numpy(blocks)
-        renumbered = replace(packed, block_tables=local.reshape(packed.block_tables.shape))
-        inputs = {name: torch.from_numpy(array) for name, array in step_arrays(renumbered).items()}
+        arrays = step_arrays(replace(packed, block_tables=local.reshape(packed.block_tables.shape)))
+        inputs = {name: torch.from_numpy(array) for name, array in arrays.items()}
         inputs.update({name: cache[rows] for name, cache in self.caches.items()})
         outputs = self.program(**inputs)
         for name, cache in self.caches.items():
             cache[rows] = outputs[name]
-        return outputs
+        return outputs, arrays
 
-    def _run_slots(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+    def _run_slots(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         """Run on the slots' rows up to the longest sequence and store them back."""
         padded = pad_batch(batch)
         slots = [table[0] // self.blocks_per_slot for table in batch.block_tables]
         used = int((padded.past_lens + padded.input_lens).max())
         rows = torch.as_tensor(slots)
-        inputs = {name: torch.from_numpy(array) for name, array in step_arrays(padded).items()}
+        arrays = step_arrays(padded)
+        inputs = {name: torch.from_numpy(array) for name, array in arrays.items()}
         inputs.update({name: cache[rows, :, :used] for name, cache in self.caches.items()})
         outputs = self.program(**inputs)
         for name, cache in self.caches.items():
             cache[rows, :, :used] = outputs[name]
-        return outputs
+        return outputs, arrays
 
 
 def program_executor(program: Program, max_context: int, num_blocks: int | None = None) -> TorchExecutor:

@@ -28,10 +28,10 @@ from ..executor import (
     Executor,
     PaddedBatch,
     StepBatch,
-    last_token_logits,
     pad_batch,
     sequential_block_tables,
     step_arrays,
+    step_logits,
 )
 
 DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -139,6 +139,7 @@ class OnnxSlotExecutor(Executor):
 
     def step(self, batch: StepBatch) -> np.ndarray:
         self.check_step(batch)
+        counts = batch.logits_counts()
         slots = [table[0] // self.blocks_per_slot for table in batch.block_tables]
         if len(set(slots)) != len(slots):
             raise GenerationError(f"slots {slots}: a step runs each sequence once")
@@ -151,12 +152,13 @@ class OnnxSlotExecutor(Executor):
                 [batch.past_lens[i] for i in decodes],
             )
             for i, row in zip(decodes, rows, strict=True):
-                logits[i] = row
+                logits[i] = row[None]
         for i, tokens in enumerate(batch.tokens):
             if len(tokens) > 1:
-                padded = pad_batch(StepBatch([tokens], [batch.past_lens[i]], [batch.block_tables[i]]))
-                logits[i] = last_token_logits(self._run(slots[i], padded), padded.input_lens, self.kv_layout)[0]
-        return np.stack(logits)
+                one = StepBatch([tokens], [batch.past_lens[i]], [batch.block_tables[i]], [int(counts[i])])
+                padded = pad_batch(one)
+                logits[i] = step_logits(self._run(slots[i], padded), padded.logits_indices, self.all_positions)
+        return np.concatenate(logits)
 
     def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
         if not self.all_positions and len(tokens) > 1:
@@ -185,11 +187,11 @@ class OnnxSlotExecutor(Executor):
         ids[rows, 0], past_lens[rows] = tokens, past
         idle = np.setdiff1d(np.arange(first, last + 1), slots)  # rows in between: a throwaway token at position 0
         saved = {name: cache[idle, :, 0].copy() for name, cache in self.caches.items()} if idle.size else {}
-        padded = PaddedBatch(ids, past_lens[:, None], past_lens, np.ones(count, dtype=np.int64))
+        padded = PaddedBatch(ids, past_lens[:, None], past_lens, np.ones(count, dtype=np.int64), rows)
         logits = self._run(first, padded)
         for name, values in saved.items():
             self.caches[name][idle, :, 0] = values
-        return last_token_logits(logits, padded.input_lens, self.kv_layout)[rows]
+        return step_logits(logits, rows, self.all_positions)
 
     def _run(self, first_slot: int, padded: PaddedBatch) -> np.ndarray:
         """Run the model on cache rows first_slot.. (one per sequence of `padded`); returns its logits."""

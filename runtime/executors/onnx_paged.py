@@ -37,10 +37,10 @@ from ..executor import (
     PackedBatch,
     StepBatch,
     copy_rounds,
-    last_token_logits,
     pack_batch,
     sequential_block_tables,
     step_arrays,
+    step_logits,
 )
 from .onnx import run_bound, session_options
 
@@ -156,7 +156,7 @@ class OnnxPagedExecutor(Executor):
     def step(self, batch: StepBatch) -> np.ndarray:
         self.check_step(batch)
         packed = pack_batch(batch)
-        return last_token_logits(self._run(packed), packed.input_lens, self.kv_layout)
+        return step_logits(self._run(packed), packed.logits_indices, self.all_positions)
 
     def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
         if not self.all_positions and len(tokens) > 1:

@@ -34,12 +34,13 @@ from ..artifact import ArtifactError
 from ..cpu_features import check_host_cpu
 from ..executor import (
     Executor,
+    PackedBatch,
     StepBatch,
     copy_rounds,
-    last_token_logits,
     pack_batch,
     sequential_block_tables,
     step_arrays,
+    step_logits,
 )
 
 STEP, COPY_BLOCKS = "step", "copy_blocks"
@@ -164,15 +165,15 @@ class TvmExecutor(Executor):
 
     def step(self, batch: StepBatch) -> np.ndarray:
         self.check_step(batch)
-        logits = self._run(batch)
-        return last_token_logits(logits, np.array([len(t) for t in batch.tokens]), KVLayout.PAGED)
+        packed = pack_batch(batch)
+        return step_logits(self._run(packed), packed.logits_indices, self.all_positions)
 
     def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
         if not self.all_positions and len(tokens) > 1:
             raise GenerationError("this model computes last-token logits only; compile without last_token_logits")
         batch = StepBatch([tokens], [0], sequential_block_tables(self, [len(tokens)]))
         self.check_step(batch)
-        return self._run(batch)[0].astype(np.float32, copy=False)
+        return self._run(pack_batch(batch))[0].astype(np.float32, copy=False)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         for source, destination in pairs:
@@ -184,10 +185,10 @@ class TvmExecutor(Executor):
             indices = [tvm.runtime.tensor(np.array(i, dtype=np.int32), self.device) for i in (sources, destinations)]
             self._copy_blocks(*pools, *indices)  # in place: the returned pools are these tensors
 
-    def _run(self, batch: StepBatch) -> np.ndarray:
-        """Run the step function on the packed batch; returns the program's logits."""
+    def _run(self, packed: PackedBatch) -> np.ndarray:
+        """Run the step function on a packed batch; returns the program's logits."""
         self._configure_pool()
-        values = step_arrays(pack_batch(batch))
+        values = step_arrays(packed)
         args = [
             self.pools[name] if name in self.pools else tvm.runtime.tensor(values[name], self.device)
             for name in self.inputs
