@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401  (registration)
     canonicalize,
+    draft_layers,
     fuse_norms,
     fuse_projections,
     fuse_qkv_attention,

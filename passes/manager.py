@@ -13,7 +13,7 @@ from ..errors import PassError
 from ..ir.program import INPUT_LENS, LOGITS, PassRecord, Program, example_inputs, paged_example_inputs
 from ..progress import stage
 from ..step_io import KVLayout
-from .registry import PASSES
+from .registry import PASSES, Verification
 
 PassSpec = str | tuple[str, dict[str, Any]]
 
@@ -51,10 +51,10 @@ def _run_one(program: Program, name: str, options: dict[str, Any], verify: bool)
     history = list(program.history)
     # A past in the cache only when the program before the pass already has a cache.
     past_max = VERIFY_CONTEXT - VERIFY_TOKENS if program.has_kv_cache else 0
+    check = p.verification or Verification()
     if verify:
-        check = p.verification
-        before_inputs = check.inputs(program, options) if check else _verify_inputs(program, past_max)
-        reference = program(**before_inputs)
+        before_inputs = check.inputs(program, options) if check.inputs else _verify_inputs(program, past_max)
+        reference = check.reference(program, before_inputs, options) if check.reference else program(**before_inputs)
     with stage(f"pass {name}") as shown:
         started = time.perf_counter()
         program, pass_stats = p.run(program, **options)
@@ -62,12 +62,15 @@ def _run_one(program: Program, name: str, options: dict[str, Any], verify: bool)
         after = program.graph_stats()
         max_error = None
         if verify:
-            if check:
+            if check.run:
                 inputs, result = before_inputs, check.run(program, before_inputs, options)
+            elif check.inputs or check.reference:  # the same inputs (those the program still takes)
+                inputs, result = before_inputs, program(**before_inputs)
             else:
                 inputs = _verify_inputs(program, past_max)
                 result = program(**inputs)
-            paged = program.kv_layout is KVLayout.PAGED and not check  # a layout-changing check returns slot outputs
+            # a layout-changing check (run) returns slot outputs
+            paged = program.kv_layout is KVLayout.PAGED and not check.run
             lens = inputs.get(INPUT_LENS)
             max_error = _compare(reference, result, lens, paged, p.tolerance_for(options), name)
         stats = {**pass_stats, **{f"{k}_before": v for k, v in before.items()}, **after}

@@ -15,12 +15,17 @@ Tensors = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Verification:
-    """How --verify compares a pass that changes what the program's inputs mean (e.g. the KV layout): `inputs`
-    builds inputs for the program before the pass; `run` runs the program after the pass on the same
-    computation and returns its outputs as the program before would name and shape them."""
+    """How --verify compares a pass whose program is not checked by running both programs on the same random
+    inputs. A pass that changes what the program's inputs mean (e.g. the KV layout) gives `inputs`, which builds
+    inputs for the program before the pass, and `run`, which runs the program after the pass on the same
+    computation and returns its outputs as the program before would name and shape them. A pass that changes
+    what the program computes on purpose (e.g. draft_layers' early exit) gives `reference`: the outputs expected
+    of the program after the pass, computed from the program before it (before the pass runs) on the inputs.
+    Each one left out is the default: random inputs, the program run as it is."""
 
-    inputs: Callable[[Program, dict[str, Any]], Tensors]
-    run: Callable[[Program, Tensors, dict[str, Any]], Tensors]
+    inputs: Callable[[Program, dict[str, Any]], Tensors] | None = None
+    run: Callable[[Program, Tensors, dict[str, Any]], Tensors] | None = None
+    reference: Callable[[Program, Tensors, dict[str, Any]], Tensors] | None = None
 
 
 @dataclass(frozen=True)

@@ -192,3 +192,63 @@ def read_manifest(directory: str | Path, verify: bool = True) -> dict[str, Any]:
         if verify and sha256(file) != expected:
             raise ArtifactError(f"{file}: sha256 does not match {MANIFEST} (the file is corrupted or was changed)")
     return manifest
+
+
+def draft_dir_name(layers: int) -> str:
+    """The directory, inside the target artifact, of its self-draft with `layers` decoder layers."""
+    return f"draft-layers-{layers}"
+
+
+def draft_key(layers: int) -> str:
+    """The self-draft's key in the target manifest's `drafts`."""
+    return f"layers-{layers}"
+
+
+def draft_artifact(artifact: str | Path, layers: int, verify: bool = False) -> Path:
+    """The checked path of the self-draft with `layers` decoder layers that `compile --draft-layers` put inside
+    `artifact` (an artifact of its own: the target's first layers, final norm and LM head).
+
+    The target manifest's `drafts` entry must name a directory inside the artifact whose manifest.json is hashed
+    in the target's files and matches the recorded manifest_sha256; the draft's own manifest must pass
+    read_manifest (with `verify`, every file's hash: Engine.load checks them anyway), say `layers` layers, and
+    have the target's KV layout apart from the layer count (the runtime runs both on the same block tables)."""
+    directory = Path(artifact)
+    manifest = read_manifest(directory, verify=False)
+    where = f"{directory / MANIFEST}: drafts"
+    drafts = manifest.get("drafts", {})
+    if not isinstance(drafts, dict):
+        raise ArtifactError(f"{where}: expected an object of self-drafts, found {type(drafts).__name__}")
+    entry = drafts.get(draft_key(layers))
+    if entry is None:
+        have = sorted(str(e.get("layers")) for e in drafts.values() if isinstance(e, dict))
+        has = f"it has self-drafts of {', '.join(have)} decoder layers" if have else "it has no self-draft"
+        raise ArtifactError(
+            f"{directory}: no self-draft with {layers} decoder layers ({has}); compile with --draft-layers {layers}"
+        )
+    key = f"{where}[{draft_key(layers)!r}]"
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+        raise ArtifactError(f"{key}: expected an object with a 'path'")
+    name = entry["path"]
+    _check_path(directory, directory.resolve(), f"drafts[{draft_key(layers)!r}].path", name)
+    draft = directory / name
+    listed = f"{name}/{MANIFEST}"
+    if entry.get("file") != listed or listed not in manifest["files"]:
+        raise ArtifactError(f"{key}: its manifest {listed} is not listed in {MANIFEST}'s files (not hashed)")
+    recorded = entry.get("manifest_sha256")
+    if recorded != manifest["files"][listed]:
+        raise ArtifactError(f"{key}: manifest_sha256 differs from the hash of {listed} in {MANIFEST}'s files")
+    if not (draft / MANIFEST).is_file():
+        raise ArtifactError(f"{draft / MANIFEST}: listed in {directory / MANIFEST} but missing")
+    if sha256(draft / MANIFEST) != recorded:
+        raise ArtifactError(f"{draft / MANIFEST}: sha256 does not match {directory / MANIFEST} (changed or corrupted)")
+    own = read_manifest(draft, verify=verify)
+    if (own.get("spec") or {}).get("num_layers") != layers:
+        raise ArtifactError(f"{draft / MANIFEST}: spec.num_layers is not {layers}, as {key} says")
+    target_kv, draft_kv = manifest.get("kv_layout") or {}, own.get("kv_layout") or {}
+    differs = [f for f in set(target_kv) | set(draft_kv) if f != "layers" and target_kv.get(f) != draft_kv.get(f)]
+    if differs or draft_kv.get("layers") != layers:
+        raise ArtifactError(
+            f"{draft / MANIFEST}: kv_layout differs from the target's ({', '.join(sorted(differs)) or 'layers'}); "
+            "a self-draft runs on the target's block tables"
+        )
+    return draft

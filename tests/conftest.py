@@ -78,6 +78,9 @@ def write_tiny_checkpoint(arch: str, directory: Path, **config: object) -> Path:
     files and a chat template."""
     torch.manual_seed(0)
     model_config = TINY_CONFIGS[arch]()
+    types = getattr(model_config, "layer_types", None)
+    if "num_hidden_layers" in config and types and "layer_types" not in config:  # one per layer (qwen2, qwen3)
+        config = {**config, "layer_types": [types[0]] * config["num_hidden_layers"]}
     for name, value in config.items():
         setattr(model_config, name, value)
     model = transformers.AutoModelForCausalLM.from_config(model_config)
@@ -86,6 +89,12 @@ def write_tiny_checkpoint(arch: str, directory: Path, **config: object) -> Path:
     config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": CHATML}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_writer():
+    """write_tiny_checkpoint, for tests that build a variant (more layers, ...) of a tiny architecture."""
+    return write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

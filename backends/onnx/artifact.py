@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import onnx
 from onnx import TensorProto
@@ -33,6 +34,7 @@ def build(
     target: str = "cpu",
     accuracy_level: int = 4,
     write_extra: Callable[[Path], None] | None = None,
+    manifest_extra: dict[str, Any] | None = None,
 ) -> Path:
     """Lower `program`, write it (and whatever `write_extra` adds, e.g. tokenizer files) as an artifact."""
     check_target(target)
@@ -66,5 +68,6 @@ def build(
         "kv_layout": kv_layout_manifest(program),
         "entry_points": entry_points,
         "onnx": {"ir_version": model.ir_version, "accuracy_level": accuracy_level},
+        **(manifest_extra or {}),
     }
     return write_artifact(directory, write, manifest)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import safetensors.numpy
 
@@ -28,6 +29,7 @@ def build(
     cuda_arch: str | None = None,
     cpu: str | None = None,
     write_extra: Callable[[Path], None] | None = None,
+    manifest_extra: dict[str, Any] | None = None,
 ) -> Path:
     """Lower and compile `program` for `target` and write it (and whatever `write_extra` adds) as an artifact."""
     tvm_tgt = tvm_target(target, cuda_arch, cpu)
@@ -70,6 +72,7 @@ def build(
             COPY_BLOCKS: {"file": LIBRARY, "function": COPY_BLOCKS, "inputs": pools + indices, "outputs": pools},
         },
         "weights": {"file": WEIGHTS, "order": list(model.params)},
+        **(manifest_extra or {}),
     }
     if device_code is not None:
         source_hash = hashlib.sha256(source.encode()).hexdigest()
