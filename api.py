@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -12,8 +14,9 @@ from .frontend import LoadedModel, capture, load, resolve_model
 from .ir import Program
 from .passes import DEFAULT_PIPELINE, run_pipeline, with_kv_layout
 from .passes.manager import PassSpec
+from .progress import stage
 from .runtime import Engine, EngineConfig, Tokenizer
-from .runtime.artifact import check_output, is_artifact, read_manifest
+from .runtime.artifact import MANIFEST, check_output, draft_dir_name, draft_key, is_artifact, read_manifest, sha256
 from .runtime.backends import BACKENDS, get_backend, load_symbol
 from .runtime.block_manager import kv_pool_blocks
 from .runtime.perplexity import PerplexityResult, check_window, perplexity
@@ -40,6 +43,30 @@ def compile_program(
     return loaded, program
 
 
+def check_draft_layers(draft_layers: int | Sequence[int] | None, num_layers: int | None = None) -> list[int]:
+    """The distinct layer counts of the self-drafts asked for (--draft-layers K, repeatable), each from 1 to the
+    model's `num_layers` - 1 (checked once it is known)."""
+    if draft_layers is None:
+        return []
+    counts = [draft_layers] if isinstance(draft_layers, int) else list(draft_layers)
+    for k in counts:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ArgumentError(f"--draft-layers {k!r}: must be a positive number of decoder layers")
+        if num_layers is not None and k >= num_layers:
+            raise ArgumentError(
+                f"--draft-layers {k}: the model has {num_layers} decoder layers; a self-draft keeps 1 to "
+                f"{num_layers - 1} of them"
+            )
+    return sorted(set(counts))
+
+
+def draft_pipeline(pipeline: Sequence[PassSpec], layers: int) -> list[PassSpec]:
+    """The target's pipeline with draft_layers first: on the captured graph, before fusions merge layers."""
+    if any((step if isinstance(step, str) else step[0]) == "draft_layers" for step in pipeline):
+        raise ArgumentError("--draft-layers: the pipeline already has draft_layers (leave it out of --passes)")
+    return [("draft_layers", {"layers": layers}), *pipeline]
+
+
 def check_block_size(block_size: int | None) -> None:
     """A paged KV block holds a power of two of tokens (the paged_attention pass's rule), checked before loading."""
     if block_size is not None and (isinstance(block_size, bool) or block_size < 1 or block_size & (block_size - 1)):
@@ -56,7 +83,8 @@ def load_engine(
     **limits: int | bool | None,
 ) -> Engine:
     """An Engine on the torch reference backend for MODEL (a paged program); `config` or EngineConfig's
-    fields as keywords (max_num_seqs=4, max_context=512, num_blocks=..., ...) set its limits."""
+    fields as keywords (max_num_seqs=4, max_context=512, num_blocks=..., ...) set its limits. A speculative
+    config's draft is a checkpoint here (draft:PATH), or MODEL through the draft_layers pass (self:K)."""
     config = config or EngineConfig(**limits)
     layout = get_backend("torch").layout("cpu")
     block_size = config.block_size or DEFAULT_BLOCK_SIZE
@@ -69,7 +97,15 @@ def load_engine(
         spec.kv_bytes_per_token(), block_size, config.max_num_seqs, context, config.num_blocks, config.kv_cache_memory
     )
     executor = TorchExecutor(program, max_context=context, num_blocks=blocks)
-    return Engine(executor, tokenizer_of(loaded), spec, config=config)
+    draft = None
+    speculative = config.speculative
+    if speculative is not None and speculative.method != "ngram":
+        self_draft = speculative.method == "self"
+        draft_model = model if self_draft else speculative.draft
+        steps = draft_pipeline(pipeline, speculative.layers) if self_draft else pipeline
+        _, draft_program = compile_program(draft_model, steps, dtype=dtype, kv_layout=layout, block_size=block_size)
+        draft = TorchExecutor(draft_program, max_context=context, num_blocks=blocks)
+    return Engine(executor, tokenizer_of(loaded), spec, config=config, draft=draft)
 
 
 def compile_artifact(
@@ -86,13 +122,22 @@ def compile_artifact(
     block_size: int | None = None,
     verify: bool = False,
     write_extra: Callable[[Path], None] | None = None,
+    draft_layers: int | Sequence[int] | None = None,
 ) -> Path:
     """Compile MODEL into a deployable artifact directory at `output` (written atomically) with the onnx backend
     (`accuracy_level`: MatMulNBits', default 4) or the tvm one (`cuda_arch` for cuda, e.g. sm_90; `cpu`: the
     LLVM CPU name, default this machine's). The dtype defaults to float32 on cpu and float16 on cuda; the
     pipeline gets the KV layout the backend runs on the target (runtime.backends). `write_extra(directory)` adds
-    files of the caller's to the artifact before it is hashed (the compile cache's key)."""
+    files of the caller's to the artifact before it is hashed (the compile cache's key).
+
+    `draft_layers` (K, or several): also compile a self-draft for speculative decoding per K, the model's first K
+    decoder layers with its final norm and LM head (the draft_layers pass, first in the same pipeline, backend,
+    target, dtype and block size, so its KV layout is the target's), as a complete artifact inside the target's at
+    `output/draft-layers-K/`, listed in the target's manifest under `drafts` (runtime.artifact.draft_artifact)."""
     check_output(output)  # a file or someone's directory is refused now, not replaced after compiling
+    drafts = check_draft_layers(draft_layers)
+    for k in drafts:
+        draft_pipeline(pipeline, k)  # a pipeline that has draft_layers already is refused before loading
     entry = get_backend(backend)
     if entry.compiler is None:
         raise LlmlowerError(f"--backend {backend}: {entry.summary}; compile with one of onnx, tvm")
@@ -110,18 +155,73 @@ def compile_artifact(
     if entry.check is not None:
         load_symbol(entry.check)(target, given)
     dtype = dtype or ("float16" if target == "cuda" else "float32")
-    loaded, program = compile_program(
-        model, pipeline, dtype=dtype, kv_layout=layout, block_size=block_size, verify=verify
-    )
+    check_block_size(block_size)
+    pipeline = with_kv_layout(pipeline, layout, block_size)
+    loaded = load(resolve_model(model), dtype=dtype)
+    check_draft_layers(drafts, loaded.spec.num_layers)  # before minutes of compiling
+    program = run_pipeline(capture(loaded), pipeline, verify=verify)
 
-    def write_model_files(directory: Path) -> None:
+    def write_tokenizer(directory: Path) -> None:
         loaded.tokenizer.write(directory)
         loaded.module.generation_config.to_json_file(directory / "generation_config.json")
-        if write_extra is not None:
-            write_extra(directory)
 
     build = load_symbol(entry.compiler)
-    return build(program, output, target=target, write_extra=write_model_files, **given)
+    if not drafts:
+
+        def write_model_files(directory: Path) -> None:
+            write_tokenizer(directory)
+            if write_extra is not None:
+                write_extra(directory)
+
+        return build(program, output, target=target, write_extra=write_model_files, **given)
+    output = Path(output).expanduser()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # built beside the output (same file system: moved into the target's staging directory by a rename)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}.drafts.", dir=output.parent))
+    try:
+        built = {}
+        for k in drafts:
+            name = draft_dir_name(k)
+            with stage(f"self-draft {name}: the first {k} of {program.spec.num_layers} decoder layers") as shown:
+                draft = run_pipeline(capture(loaded), draft_pipeline(pipeline, k), verify=verify)
+                check_same_kv_layout(program, draft)
+                about = {"draft": {"method": "early_exit", "layers": k, "target_layers": program.spec.num_layers}}
+                built[k] = build(
+                    draft, scratch / name, target=target, write_extra=write_tokenizer, manifest_extra=about, **given
+                )
+                shown.detail = f"{draft.parameters_numel():,} of {program.parameters_numel():,} parameters"
+
+        def write_with_drafts(directory: Path) -> None:
+            write_tokenizer(directory)
+            for path in built.values():
+                shutil.move(path, directory / path.name)
+            if write_extra is not None:
+                write_extra(directory)
+
+        listed = {
+            draft_key(k): {
+                "path": path.name,
+                "file": f"{path.name}/{MANIFEST}",  # in the target's hashed files, like every `file` field
+                "layers": k,
+                "manifest_sha256": sha256(path / MANIFEST),
+            }
+            for k, path in built.items()
+        }
+        return build(
+            program, output, target=target, write_extra=write_with_drafts, manifest_extra={"drafts": listed}, **given
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def check_same_kv_layout(target: Program, draft: Program) -> None:
+    """A self-draft runs on the target's block tables: same KV layout, block size, kv heads and head size."""
+    layouts = [
+        (p.kv_layout, p.block_size if p.kv_layout is KVLayout.PAGED else None, p.spec.num_kv_heads, p.spec.head_dim)
+        for p in (target, draft)
+    ]
+    if layouts[0] != layouts[1]:
+        raise LlmlowerError(f"the self-draft's KV layout {layouts[1]} differs from the target's {layouts[0]}")
 
 
 def tokenizer_of(loaded: LoadedModel) -> Tokenizer:

@@ -85,7 +85,19 @@ def _engine_config(args: argparse.Namespace, sequences: int) -> Any:
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching,
+        speculative=_speculative(args),
     )
+
+
+def _speculative(args: argparse.Namespace) -> Any:
+    """--speculative ngram|draft:PATH|self:K with --num-speculative-tokens, or None."""
+    from .runtime.speculative import SpeculativeConfig
+
+    if args.speculative is None:
+        if args.num_speculative_tokens is not None:
+            raise LlmlowerError("--num-speculative-tokens needs --speculative")
+        return None
+    return SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
 
 
 def _engine(args: argparse.Namespace, sequences: int, backend: str = "torch") -> Any:
@@ -148,7 +160,19 @@ def _sampling_params(args: argparse.Namespace) -> Any:
             raise LlmlowerError(
                 f"logit_bias: expected a JSON object of token id to bias, got {args.logit_bias!r}"
             ) from None
-    return SamplingParams(**given)
+    return SamplingParams(**given, structured_output=_structured_output(args))
+
+
+def _structured_output(args: argparse.Namespace) -> Any:
+    """--json-schema FILE, --regex or --grammar FILE as a StructuredOutput (None without them)."""
+    from .runtime.structured import StructuredOutput
+
+    flags = {"json": args.json_schema, "regex": args.regex, "grammar": args.grammar}
+    try:
+        given = {k: v.read_text() if isinstance(v, Path) else v for k, v in flags.items() if v is not None}
+    except OSError as error:
+        raise LlmlowerError(f"{error.filename}: cannot be read ({error.strerror})") from None
+    return StructuredOutput(**given) if given else None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -169,9 +193,20 @@ def _generate(args: argparse.Namespace) -> int:
         print(result.text)
         err.print(
             f"[dim]{len(result.token_ids)} tokens, finish_reason={result.finish_reason}, "
-            f"TTFT {result.timing.ttft_s * 1000:.0f} ms, decode {result.timing.decode_tokens_per_s:.1f} tokens/s[/dim]"
+            f"TTFT {result.timing.ttft_s * 1000:.0f} ms, decode {result.timing.decode_tokens_per_s:.1f} tokens/s"
+            + _speculation_summary(result.speculation)
+            + "[/dim]"
         )
     return 0
+
+
+def _speculation_summary(speculation: dict[str, Any] | None) -> str:
+    if not speculation:
+        return ""
+    return (
+        f", speculation: {speculation['accepted_tokens']}/{speculation['proposed_tokens']} proposed tokens accepted, "
+        f"{speculation['mean_accepted_length']:.2f} tokens per step"
+    )
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -209,6 +244,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 SERVE_SEQUENCES = 16  # the server's max_num_seqs unless --max-num-seqs
 DEFAULT_STEP_TOKENS = EngineConfig.max_num_batched_tokens
+DEFAULT_SPECULATIVE_TOKENS = 4
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -287,12 +323,18 @@ def _compile(args: argparse.Namespace) -> int:
         cpu=args.cpu,
         block_size=args.block_size,
         verify=args.verify,
+        draft_layers=args.draft_layers,
     )
     manifest = read_manifest(out, verify=False)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     console = Console()
     console.print(f"[bold]{out}[/bold]: {size / 2**20:.1f} MiB, {manifest['backend']} / {manifest['target']}")
     console.print("pipeline: " + ", ".join(step["name"] for step in manifest["pipeline"]), highlight=False)
+    for entry in manifest.get("drafts", {}).values():
+        draft = out / entry["path"]
+        draft_size = sum(p.stat().st_size for p in draft.iterdir() if p.is_file())
+        layers = f"{entry['layers']} of {manifest['spec']['num_layers']} decoder layers"
+        console.print(f"self-draft: {draft} ({layers}, {draft_size / 2**20:.1f} MiB)", highlight=False)
     console.print(f'run it:   llmlower generate {out} --prompt "Hello"', highlight=False)
     return 0
 
@@ -429,6 +471,14 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (see llmlower.runtime.sampling.SamplingParams)")
     for name, options in SAMPLING_FLAGS.items():
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, **options)
+    structured = "(needs llmlower[structured])"
+    group.add_argument(
+        "--json-schema", type=Path, metavar="FILE", help=f"the output is JSON of this schema {structured}"
+    )
+    group.add_argument("--regex", help=f"the output matches this regular expression {structured}")
+    group.add_argument(
+        "--grammar", type=Path, metavar="FILE", help=f"the output follows this Lark grammar {structured}"
+    )
     _add_serving_options(parser, "the completions asked for")
 
 
@@ -452,6 +502,17 @@ def _add_serving_options(parser: argparse.ArgumentParser, default_seqs: str) -> 
         help="KV pool size in bytes, e.g. 2G (default: max-num-seqs full contexts)",
     )
     serving.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of cached prefixes")
+    serving.add_argument(
+        "--speculative",
+        metavar="ngram|draft:PATH|self:K",
+        help="speculative decoding: prompt lookup, a draft artifact with the same tokenizer, or the self-draft "
+        "of K layers that `compile --draft-layers K` wrote into the artifact",
+    )
+    serving.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        help=f"tokens proposed per step with --speculative (default {DEFAULT_SPECULATIVE_TOKENS})",
+    )
     parser.add_argument("--threads", type=int, default=0, help="artifact: intra-op threads (default: one per core)")
     parser.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
     _add_pipeline_options(parser)
@@ -494,6 +555,14 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--cpu", help="tvm, cpu: LLVM CPU name to build for (default: this machine's, e.g. znver3)")
     comp.add_argument("--block-size", type=int, help="KV block size of a paged artifact (tvm, onnx cuda; default 16)")
     comp.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
+    comp.add_argument(
+        "--draft-layers",
+        type=int,
+        action="append",
+        metavar="K",
+        help="also compile a self-draft for speculative decoding: the model's first K decoder layers + final norm "
+        "+ LM head, same pipeline and KV layout, into OUTPUT/draft-layers-K (repeatable)",
+    )
     _add_pipeline_options(comp)
     comp.set_defaults(run=_compile)
 

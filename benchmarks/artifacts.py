@@ -13,8 +13,16 @@ from llmlower.passes import build_pipeline, with_kv_layout
 from llmlower.runtime.backends import get_backend
 
 
-def ensure_artifact(model: str, backend: str, options: dict[str, Any], directory: Path, rebuild: bool = False) -> Path:
-    """`directory` holding MODEL compiled by `backend` (for the CPU) with build_pipeline(**options)."""
+def ensure_artifact(
+    model: str,
+    backend: str,
+    options: dict[str, Any],
+    directory: Path,
+    rebuild: bool = False,
+    draft_layers: tuple[int, ...] = (),
+) -> Path:
+    """`directory` holding MODEL compiled by `backend` (for the CPU) with build_pipeline(**options), and the
+    self-drafts of `draft_layers` layers."""
     pipeline = build_pipeline(**options)
     layout = get_backend(backend).layout("cpu")
     manifest_path = directory / "manifest.json"
@@ -23,7 +31,8 @@ def ensure_artifact(model: str, backend: str, options: dict[str, Any], directory
     wanted = [(p, {}) if isinstance(p, str) else (p[0], p[1]) for p in with_kv_layout(pipeline, layout)]
     built = [(p["name"], p["options"]) for p in manifest.get("pipeline", [])]
     same = manifest.get("backend") == backend and manifest.get("kv_layout", {}).get("kind") == layout.value
-    if rebuild or not same or built != wanted:
+    drafts = sorted(d["layers"] for d in manifest.get("drafts", {}).values())
+    if rebuild or not same or built != wanted or drafts != sorted(draft_layers):
         print(f"[benchmarks] compiling {backend} {options or 'fp32'} into {directory}", file=sys.stderr)
-        compile_artifact(model, directory, pipeline, backend=backend)
+        compile_artifact(model, directory, pipeline, backend=backend, draft_layers=list(draft_layers))
     return directory

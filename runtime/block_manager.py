@@ -213,6 +213,18 @@ class BlockManager:
             if self.enable_prefix_caching:
                 self._register(table.blocks[len(table.hashes) - 1], digest)
 
+    def truncate(self, seq_id: int, total_tokens: int) -> None:
+        """Give back the blocks beyond the first `total_tokens` positions (those rejected speculative tokens
+        were written to); they were never committed, so no cached prefix is lost."""
+        table = self.tables[seq_id]
+        keep = max(self.blocks_needed(total_tokens), len(table.hashes))
+        while len(table.blocks) > keep:
+            block = table.blocks.pop()
+            self.refs[block] -= 1
+            if self.blocks_per_slot is None and self.refs[block] == 0:
+                self._forget(block)
+                self.unused.append(block)
+
     def fork(self, parent: int, child: int) -> None:
         """The child starts with the parent's blocks, shared (the parent's partial last block too: whichever
         writes into it first gets a copy)."""

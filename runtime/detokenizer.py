@@ -127,11 +127,12 @@ class TextStream:
             return self._push(text + self.detokenizer.flush(), ("length", None))
         return self._push(text)
 
-    def finish_length(self) -> StreamDelta:
-        """End the sequence because it hit a limit the caller enforces (e.g. the context): release all held text."""
+    def finish(self, reason: str) -> StreamDelta:
+        """End the sequence for a reason the caller enforces ("length": the context is full; "stop": its grammar is
+        complete): release all held text."""
         if self.finished:
             raise GenerationError(f"the sequence already finished ({self.finish_reason})")
-        return self._push(self.detokenizer.flush(), ("length", None))
+        return self._push(self.detokenizer.flush(), (reason, None))
 
 
 def eos_token_ids(generation_config: dict[str, Any] | None, tokenizer: Tokenizer) -> set[int]:

@@ -12,6 +12,7 @@ it in a thread of its own for asyncio servers).
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import threading
 import time
@@ -25,14 +26,17 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..spec import ModelSpec
-from .artifact import read_manifest
+from .artifact import draft_artifact, read_manifest
 from .block_manager import BlockManager, kv_pool_blocks
 from .detokenizer import StreamDelta, TextStream
 from .executor import Executor, StepBatch
 from .executors import load_executor
+from .proposers import make_proposer
 from .sampling import Sampler, SamplingParams, SequenceSampling
-from .scheduler import Scheduler
+from .scheduler import ScheduledSequence, Scheduler
 from .scheduler import Sequence as SchedulerSequence
+from .speculative import Proposal, SpeculationStats, SpeculativeConfig, verify
+from .structured import Constraint, GrammarCompiler
 from .tokenizer import Message, Tokenizer
 
 Prompt = str | list[Message]
@@ -51,6 +55,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None  # speculative decoding: the proposer and its tokens per step
 
 
 @dataclass
@@ -95,6 +100,7 @@ class GenerationResult:
     request: int = 0
     index: int = 0
     request_id: str = ""
+    speculation: dict[str, Any] | None = None  # with speculative decoding: SpeculationStats.to_dict of this one
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,6 +137,7 @@ class EngineStats:
     generation_tokens: int
     steps: int
     finished: dict[str, int]  # completions finished, by reason: "stop", "length" or "abort"
+    speculation: SpeculationStats | None = None  # with speculative decoding: proposed and accepted tokens
 
 
 @dataclass(eq=False)
@@ -139,6 +146,8 @@ class _Sequence(SchedulerSequence):
     index: int = 0
     sampling: SequenceSampling | None = None
     stream: TextStream | None = None
+    constraint: Constraint | None = None  # its structured output's grammar state
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     cached_tokens: int = 0
@@ -165,6 +174,17 @@ class _Request:
         return all(s.finished for s in self.sequences)
 
 
+@dataclass
+class _Choice:
+    """A sequence whose next tokens are chosen this step: its logits rows (one, or one per proposed token plus
+    one), its proposal, and the grammar's masks along it."""
+
+    sequence: _Sequence
+    logits: np.ndarray
+    proposal: Proposal
+    masks: list[np.ndarray | None] | None
+
+
 class Engine:
     def __init__(
         self,
@@ -173,7 +193,9 @@ class Engine:
         spec: ModelSpec,
         seed: int | None = None,
         config: EngineConfig | None = None,
+        draft: Executor | None = None,
     ) -> None:
+        """`draft`: the draft model's executor when config.speculative uses one (a pool of the target's shape)."""
         config = config or EngineConfig()
         self.executor = executor
         self.tokenizer = tokenizer
@@ -184,11 +206,19 @@ class Engine:
         self.blocks = BlockManager(
             executor.num_blocks, executor.block_size, config.enable_prefix_caching, executor.blocks_per_slot
         )
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        speculative = config.speculative
+        lookahead = speculative.num_tokens if speculative else 0
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lookahead, executor.max_context
+        )
+        self.draft = draft
+        self.proposer = make_proposer(speculative, draft, executor, self.sampler, self.blocks.block_table)
+        self.speculation = SpeculationStats()
         self.requests: dict[str, _Request] = {}
         self._sequence_ids = itertools.count()
         self._request_ids = itertools.count()
         self._driver = threading.Lock()
+        self._grammars: GrammarCompiler | None = None  # built for the first request with structured output
         self.prompt_tokens = self.generation_tokens = self.steps = 0
         self.finished: Counter[str] = Counter()
 
@@ -219,7 +249,17 @@ class Engine:
             on_host=manifest["target"] == "cpu",
         )
         executor = load_executor(artifact, manifest, num_blocks, block_size, context, threads)
-        return cls(executor, Tokenizer.from_dir(artifact), spec, config=config)
+        tokenizer = Tokenizer.from_dir(artifact)
+        draft = None
+        speculative = config.speculative
+        if speculative is not None and speculative.method != "ngram":
+            path = speculative.draft if speculative.method == "draft" else draft_artifact(artifact, speculative.layers)
+            draft_manifest = read_manifest(path)
+            same_logits = ModelSpec.from_dict(draft_manifest["spec"]).vocab_size == spec.vocab_size
+            if not same_logits or Tokenizer.from_dir(path).vocabulary() != tokenizer.vocabulary():
+                raise GenerationError(f"draft model {path}: its tokenizer or vocabulary differs from {artifact}'s")
+            draft = load_executor(path, draft_manifest, num_blocks, block_size, context, threads)
+        return cls(executor, tokenizer, spec, config=config, draft=draft)
 
     # ---------------------------------------------------------------- requests
 
@@ -272,6 +312,7 @@ class Engine:
             generation_tokens=self.generation_tokens,
             steps=self.steps,
             finished=dict(self.finished),
+            speculation=copy.deepcopy(self.speculation) if self.proposer is not None else None,
         )
 
     # ---------------------------------------------------------------- batch calls
@@ -353,7 +394,15 @@ class Engine:
             raise GenerationError(f"n={params.n} exceeds the {self.blocks.num_slots} sequences the KV pool holds")
         if self.blocks.blocks_needed(len(ids) + 1) > self.executor.num_blocks:
             raise GenerationError(f"{label} has {len(ids)} tokens; the KV pool holds {self.executor.num_blocks} blocks")
+        if params.structured_output is not None:
+            self._grammar_compiler().check(params.structured_output)
         return ids
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of structured outputs for this model's tokenizer, built on first use (needs llguidance)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.spec.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def _add(
         self,
@@ -369,7 +418,9 @@ class Engine:
         if request_id in self.requests:
             raise GenerationError(f"request_id {request_id!r} is already in use")
         request = _Request(request_id, list(ids), params, time.perf_counter(), outbox=outbox)
-        for index in range(params.n):
+        output = params.structured_output
+        constraints = [None] * params.n if output is None else self._grammar_compiler().constraints(output, params.n)
+        for index, constraint in enumerate(constraints):
             sequence = _Sequence(
                 seq_id=next(self._sequence_ids),
                 token_ids=list(ids),
@@ -379,6 +430,7 @@ class Engine:
                 index=index,
                 sampling=SequenceSampling(params, index),
                 stream=self._text_stream(params),
+                constraint=constraint,
             )
             request.sequences.append(sequence)
         request.forks = request.sequences[1:]
@@ -405,7 +457,7 @@ class Engine:
                 sequence.finished = True
                 self.finished["abort"] += 1
                 if sequence not in request.forks:
-                    self.scheduler.remove(sequence)
+                    self._retire(sequence)
         request.forks = []
         if request.outbox is None:
             del self.requests[request_id]
@@ -418,13 +470,17 @@ class Engine:
         copies = self.blocks.take_copies()
         if copies:
             self.executor.copy_blocks(copies)
+            if self.draft is not None:  # the draft's pool mirrors the target's blocks
+                self.draft.copy_blocks(copies)
+        proposals, masks = self._propose(scheduled)
         batch = StepBatch(
             tokens=[
-                s.sequence.token_ids[s.sequence.num_computed : s.sequence.num_computed + s.num_tokens]
-                for s in scheduled
+                [*s.sequence.token_ids[s.sequence.num_computed : s.sequence.num_computed + s.num_tokens], *p.tokens]
+                for s, p in zip(scheduled, proposals, strict=True)
             ],
             past_lens=[s.sequence.num_computed for s in scheduled],
             block_tables=[self.blocks.block_table(s.sequence.seq_id) for s in scheduled],
+            num_logits=[len(p.tokens) + 1 for p in proposals],
         )
         started = time.perf_counter()
         for item in scheduled:
@@ -435,66 +491,138 @@ class Engine:
         logits = self.executor.step(batch)
         now = time.perf_counter()
         self.steps += 1
-        rows: list[int] = []  # the logits row each sampling sequence reads
-        sampling: list[_Sequence] = []
-        for row, item in enumerate(scheduled):
+        ends = np.cumsum(batch.num_logits)
+        choices: list[_Choice] = []
+        for item, proposal, mask, end in zip(scheduled, proposals, masks, ends.tolist(), strict=True):
             sequence: _Sequence = item.sequence  # type: ignore[assignment]
             request = sequence.request
             if sequence.num_computed < sequence.prompt_len:
                 self.prompt_tokens += min(item.num_tokens, sequence.prompt_len - sequence.num_computed)
-            sequence.num_computed += item.num_tokens
+            sequence.num_computed += item.num_tokens  # a proposal's tokens count once verified
             self.blocks.commit(sequence.seq_id, sequence.token_ids, sequence.num_computed)
             if sequence.num_uncomputed:
                 continue  # a prompt chunk: nothing to sample yet
-            rows.append(row)
-            sampling.append(sequence)
+            rows = logits[end - len(proposal.tokens) - 1 : end]
+            choices.append(_Choice(sequence, rows, proposal, mask))
             for fork in request.forks:  # the prompt is done: the other completions share its blocks
                 self.blocks.fork(sequence.seq_id, fork.seq_id)
                 fork.num_computed = sequence.num_computed
                 self.scheduler.add_running(fork)
-                rows.append(row)
-                sampling.append(fork)
+                choices.append(_Choice(fork, rows, Proposal(), None))
             request.forks = []
-        if not sampling:
+        if not choices:
             return []
-        return self._accept(sampling, logits[rows], now)
+        return self._accept(choices, now)
 
-    def _accept(self, sequences: list[_Sequence], logits: np.ndarray, now: float) -> list[GenerationDelta]:
-        """Sample each sequence's next token and stream it; finished sequences leave the batch."""
-        chosen = self.sampler.sample(
-            logits,
-            [s.sampling for s in sequences],
-            [s.token_ids[: s.prompt_len] for s in sequences],
-            [s.output for s in sequences],
-        )
-        returned: list[GenerationDelta] = []
-        for row, (sequence, token) in enumerate(zip(sequences, chosen.token_ids.tolist(), strict=True)):
-            sequence.token_ids.append(token)
-            sequence.token_times.append(now)
-            self.generation_tokens += 1
-            logprob = None
-            if chosen.logprobs[row] is not None:
-                logprob = TokenLogprob(token, chosen.logprobs[row], chosen.top_logprobs[row] or [])
-                sequence.logprobs.append(logprob)
-            delta = sequence.stream.add(token)
-            if not delta.finished and len(sequence.token_ids) >= self.executor.max_context:
-                delta = _joined(delta, sequence.stream.finish_length())
-            request = sequence.request
-            out = GenerationDelta(
-                0, sequence.index, delta.text, token, delta.finish_reason, logprob, request.request_id
+    def _propose(self, scheduled: list[ScheduledSequence]) -> tuple[list[Proposal], list[list | None]]:
+        """Each scheduled sequence's speculative tokens (none for prompt chunks, or without a proposer), and for
+        constrained ones the grammar's mask at each position; a guess the grammar refuses ends its proposal."""
+        proposals = [Proposal() for _ in scheduled]
+        masks: list[list | None] = [None] * len(scheduled)
+        if self.proposer is None:
+            return proposals, masks
+        picked = [i for i, item in enumerate(scheduled) if item.num_lookahead]
+        sequences: list[_Sequence] = [scheduled[i].sequence for i in picked]  # type: ignore[misc]
+        limits = [  # no guess beyond what max_tokens still lets the sequence emit (a bonus token follows them)
+            min(scheduled[i].num_lookahead, s.sampling.params.max_tokens - len(s.output) - 1)
+            for i, s in zip(picked, sequences, strict=True)
+        ]
+        for i, sequence, proposal in zip(picked, sequences, self.proposer.propose(sequences, limits), strict=True):
+            proposals[i] = proposal
+            if sequence.constraint is not None:
+                masks[i], kept = sequence.constraint.masks_along(proposal.tokens)
+                proposal.truncate(kept)
+        return proposals, masks
+
+    def _accept(self, choices: list[_Choice], now: float) -> list[GenerationDelta]:
+        """Choose each sequence's next tokens (sample, or verify its proposal) and stream them; finished
+        sequences leave the batch."""
+        emitted: list[list[tuple[int, TokenLogprob | None]]] = [[] for _ in choices]
+        plain = [i for i, c in enumerate(choices) if not c.proposal.tokens]
+        if plain:
+            sequences = [choices[i].sequence for i in plain]
+            chosen = self.sampler.sample(
+                np.concatenate([choices[i].logits for i in plain]),
+                [s.sampling for s in sequences],
+                [s.token_ids[: s.prompt_len] for s in sequences],
+                [s.output for s in sequences],
+                [s.constraint.mask() if s.constraint is not None else None for s in sequences],
             )
-            if delta.finished:
-                sequence.finished = True
-                self.scheduler.remove(sequence)
-                out.result = self._result(sequence)
-                self.finished[out.result.finish_reason] += 1
-            if request.outbox is not None:
-                request.outbox.append(out)
-            else:
-                returned.append(out)
-                if request.done:
-                    del self.requests[request.request_id]
+            for row, i in enumerate(plain):
+                token, logprob = int(chosen.token_ids[row]), chosen.logprobs[row]
+                top = chosen.top_logprobs[row] or []
+                emitted[i] = [(token, None if logprob is None else TokenLogprob(token, logprob, top))]
+        speculated = [i for i, c in enumerate(choices) if c.proposal.tokens]
+        if speculated:
+            picked = [choices[i] for i in speculated]
+            verified = verify(
+                self.sampler,
+                np.concatenate([c.logits for c in picked]),
+                [c.proposal for c in picked],
+                [c.sequence.sampling for c in picked],
+                [c.sequence.token_ids[: c.sequence.prompt_len] for c in picked],
+                [c.sequence.output for c in picked],
+                None if all(c.masks is None for c in picked) else [c.masks or [None] * len(c.logits) for c in picked],
+            )
+            for i, choice, result in zip(speculated, picked, verified, strict=True):
+                choice.sequence.speculation.record(len(choice.proposal.tokens), result.accepted)
+                self.speculation.record(len(choice.proposal.tokens), result.accepted)
+                logprobs = result.logprobs or [None] * len(result.tokens)
+                tops = result.top_logprobs or [[]] * len(result.tokens)
+                emitted[i] = [
+                    (t, None if lp is None else TokenLogprob(t, lp, top))
+                    for t, lp, top in zip(result.tokens, logprobs, tops, strict=True)
+                ]
+        returned: list[GenerationDelta] = []
+        for choice, tokens in zip(choices, emitted, strict=True):
+            sequence = choice.sequence
+            for token, logprob in tokens:
+                out = self._emit(sequence, token, logprob, now)
+                if sequence.request.outbox is not None:
+                    sequence.request.outbox.append(out)
+                else:
+                    returned.append(out)
+                if sequence.finished:
+                    break
+            if choice.proposal.tokens and not sequence.finished:  # the kept guesses' KV stays; the rest goes
+                sequence.num_computed = len(sequence.token_ids) - 1
+                self.blocks.commit(sequence.seq_id, sequence.token_ids, sequence.num_computed)
+                self.blocks.truncate(sequence.seq_id, len(sequence.token_ids))
+            if self.proposer is not None and not sequence.finished:  # a draft may hold guesses the grammar cut
+                self.proposer.verified(sequence)
+            request = sequence.request
+            if request.outbox is None and request.done:
+                self.requests.pop(request.request_id, None)
         return returned
+
+    def _emit(self, sequence: _Sequence, token: int, logprob: TokenLogprob | None, now: float) -> GenerationDelta:
+        """Append one chosen token to a sequence and stream it; a finished sequence leaves the batch."""
+        sequence.token_ids.append(token)
+        sequence.token_times.append(now)
+        self.generation_tokens += 1
+        if logprob is not None:
+            sequence.logprobs.append(logprob)
+        if sequence.constraint is not None:
+            sequence.constraint.accept(token)
+        delta = sequence.stream.add(token)
+        if not delta.finished and sequence.constraint is not None and sequence.constraint.finished:
+            delta = _joined(delta, sequence.stream.finish("stop"))  # a grammar may end without EOS
+        if not delta.finished and len(sequence.token_ids) >= self.executor.max_context:
+            delta = _joined(delta, sequence.stream.finish("length"))
+        request = sequence.request
+        out = GenerationDelta(0, sequence.index, delta.text, token, delta.finish_reason, logprob, request.request_id)
+        if delta.finished:
+            sequence.finished = True
+            self._retire(sequence)
+            out.result = self._result(sequence)
+            self.finished[out.result.finish_reason] += 1
+        return out
+
+    def _retire(self, sequence: _Sequence) -> None:
+        """A finished or aborted sequence gives back its blocks and the proposer's state of it."""
+        self.scheduler.remove(sequence)
+        if self.proposer is not None:
+            self.proposer.finished(sequence.seq_id)
 
     def _result(self, sequence: _Sequence) -> GenerationResult:
         request = sequence.request
@@ -522,6 +650,7 @@ class Engine:
             timing=timing,
             index=sequence.index,
             request_id=request.request_id,
+            speculation=sequence.speculation.to_dict() if self.proposer is not None else None,
         )
 
 
@@ -539,5 +668,6 @@ def params_per_prompt(
 
 
 def _joined(first: StreamDelta, second: StreamDelta) -> StreamDelta:
-    """Two deltas of one step as one (the token's text, then what the context limit released)."""
+    """Two deltas of one step as one (the token's text, then what the grammar's end or the context limit
+    released)."""
     return StreamDelta(first.text + second.text, second.finished, second.finish_reason, second.stop)

@@ -2,26 +2,28 @@
 
 Each row of logits goes through these steps, in exactly this order (a neutral parameter leaves the row unchanged):
 
-1. min_tokens: the tokens that would end the sequence (EOS unless ignore_eos, and stop_token_ids) get -inf
+1. structured output: the tokens its grammar does not allow next get -inf (the row's packed bitmask, see
+   runtime/structured.py; tokens past the mask's width are not allowed);
+2. min_tokens: the tokens that would end the sequence (EOS unless ignore_eos, and stop_token_ids) get -inf
    while the sequence has fewer than min_tokens output tokens;
-2. logit bias: logit_bias[token] is added to that token's logit;
-3. repetition penalty, over prompt and output tokens: a positive logit is divided by the penalty, a negative one
+3. logit bias: logit_bias[token] is added to that token's logit;
+4. repetition penalty, over prompt and output tokens: a positive logit is divided by the penalty, a negative one
    multiplied by it;
-4. frequency and presence penalties, over output tokens only:
+5. frequency and presence penalties, over output tokens only:
    logit -= frequency_penalty * count + presence_penalty * (count > 0);
-5. temperature: logits are divided by it (temperature 0 is greedy: steps 5 to 8 are skipped and the token is the
-   argmax of the logits after step 4);
-6. top-k: logits below the k-th largest get -inf (ties with the k-th are kept);
-7. top-p: only the smallest set of most likely tokens whose probability reaches top_p is kept (the most likely
+6. temperature: logits are divided by it (temperature 0 is greedy: steps 6 to 9 are skipped and the token is the
+   argmax of the logits after step 5);
+7. top-k: logits below the k-th largest get -inf (ties with the k-th are kept);
+8. top-p: only the smallest set of most likely tokens whose probability reaches top_p is kept (the most likely
    token always; ties with the last one kept);
-8. min-p: tokens with probability below min_p times the largest probability are dropped;
-9. draw: one inverse-CDF draw from softmax of the result.
+9. min-p: tokens with probability below min_p times the largest probability are dropped;
+10. draw: one inverse-CDF draw from softmax of the result.
 
-Logprobs are log-probabilities under the final distribution, the one the token was drawn from: after step 8,
+Logprobs are log-probabilities under the final distribution, the one the token was drawn from: after step 9,
 renormalised over the kept tokens and -inf outside them. For greedy rows the final distribution is log_softmax of
-the logits after step 4 (no temperature, no truncation). `Sampler.distribution` returns these log-probabilities.
+the logits after step 5 (no temperature, no truncation). `Sampler.distribution` returns these log-probabilities.
 
-Steps 1 to 6 work on a float64 copy of the logits; from step 7 a drawing row is held as float32 unnormalised
+Steps 1 to 7 work on a float64 copy of the logits; from step 8 a drawing row is held as float32 unnormalised
 probabilities exp(logit - max) (numpy's float32 exp is several times faster), summed in float64 for top-p, the
 draw and the logprobs.
 
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import GenerationError
+from .structured import StructuredOutput
 
 
 def _fail(name: str, value: object, expected: str) -> GenerationError:
@@ -110,6 +113,13 @@ def _check_logit_bias(value: object) -> dict[int, float]:
     return {int(token): float(bias) for token, bias in value.items()}
 
 
+def _check_structured_output(value: object) -> StructuredOutput | None:
+    """None or a StructuredOutput (which checked its own fields)."""
+    if value is not None and not isinstance(value, StructuredOutput):
+        raise _fail("structured_output", value, "a StructuredOutput or None")
+    return value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are chosen and when it stops; defaults as in vLLM, validated on construction."""
@@ -132,6 +142,7 @@ class SamplingParams:
     top_logprobs: int = 0  # >= 0: also report this many most likely tokens (needs logprobs)
     n: int = 1  # >= 1 completions of the prompt
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = None  # a JSON schema, any JSON object, a regex or a grammar
 
     def __post_init__(self) -> None:
         """Check every field, raising a GenerationError that names the first bad one; normalise types."""
@@ -154,6 +165,7 @@ class SamplingParams:
             "top_logprobs": _check_int("top_logprobs", self.top_logprobs, 0),
             "n": _check_int("n", self.n, 1),
             "include_stop_str_in_output": _check_bool("include_stop_str_in_output", self.include_stop_str_in_output),
+            "structured_output": _check_structured_output(self.structured_output),
         }
         if checked["min_tokens"] > checked["max_tokens"]:
             raise _fail("min_tokens", self.min_tokens, f"<= max_tokens ({checked['max_tokens']})")
@@ -196,19 +208,35 @@ def _checked(
     states: Sequence[SequenceSampling],
     prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
+    masks: Sequence[np.ndarray | None] | None,
 ) -> np.ndarray:
-    """The logits as an array, with one row per state, prompt and output."""
+    """The logits as an array, with one row per state, prompt, output and mask (when masks are given)."""
     logits = np.asarray(logits)
-    if logits.ndim != 2 or not len(states) == len(prompt_ids) == len(output_ids) == logits.shape[0]:
+    rows = len(states) if masks is None else len(masks)
+    if logits.ndim != 2 or not len(states) == len(prompt_ids) == len(output_ids) == rows == logits.shape[0]:
         raise ValueError(
-            f"logits {logits.shape} need one row per state, prompt and output "
-            f"({len(states)}, {len(prompt_ids)}, {len(output_ids)})"
+            f"logits {logits.shape} need one row per state, prompt, output and mask "
+            f"({len(states)}, {len(prompt_ids)}, {len(output_ids)}, {rows})"
         )
     return logits
 
 
-def _plain_greedy(params: SamplingParams, generated: int) -> bool:
-    """Greedy with nothing that reorders the logits (bias, penalties, a min_tokens mask) and no logprobs."""
+def allowed_tokens(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """A packed bitmask (int32 words, bit t % 32 of word t // 32 set = token t allowed) as bool [vocab]; tokens
+    past the mask's width are not allowed."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, dtype="<i4").view(np.uint8), bitorder="little").view(bool)
+    return bits[:vocab] if bits.size >= vocab else np.concatenate([bits, np.zeros(vocab - bits.size, bool)])
+
+
+def _is_allowed(mask: np.ndarray, token: int) -> bool:
+    """Whether a packed bitmask allows `token` (one bit read, no unpacking)."""
+    word = token >> 5
+    return word < len(mask) and bool((int(mask[word]) >> (token & 31)) & 1)
+
+
+def plain_greedy(params: SamplingParams, generated: int) -> bool:
+    """Greedy with nothing but a structured output's mask that reorders the logits (bias, penalties, a min_tokens
+    mask) and no logprobs."""
     return (
         params.greedy
         and not params.logit_bias
@@ -273,7 +301,7 @@ def _apply_min_p(weights: np.ndarray, min_p: np.ndarray) -> np.ndarray:
 
 
 def _weights(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
-    """Steps 5 to 8 for drawing rows: unnormalised probabilities exp(logit / T - max), 0 outside the kept tokens."""
+    """Steps 6 to 9 for drawing rows: unnormalised probabilities exp(logit / T - max), 0 outside the kept tokens."""
     vocab = logits.shape[1]
     top_k = np.array([p.top_k for p in params])
     top_p = np.array([p.top_p for p in params])
@@ -294,9 +322,9 @@ def _weights(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray
 
 @dataclass
 class _Step:
-    """One decode step after steps 1 to 8: every row's logits after step 4, and the final weights of drawing rows."""
+    """One decode step after steps 1 to 9: every row's logits after step 5, and the final weights of drawing rows."""
 
-    logits: np.ndarray  # float64 [batch, vocab], after min_tokens, bias and penalties
+    logits: np.ndarray  # float64 [batch, vocab], after the structured output's mask, min_tokens, bias and penalties
     slot: np.ndarray  # [batch]: the row's index in `weights`, or -1 for a greedy row
     weights: np.ndarray  # float32 [drawing rows, vocab], see _weights
 
@@ -336,9 +364,10 @@ class Sampler:
         states: Sequence[SequenceSampling],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
+        masks: Sequence[np.ndarray | None] | None = None,
     ) -> np.ndarray:
         """Log-probabilities of the final distribution each row's token is chosen from: float64 [batch, vocab]."""
-        step = self._step(logits, states, prompt_ids, output_ids)
+        step = self._step(logits, states, prompt_ids, output_ids, masks)
         return np.stack([step.logprobs(row) for row in range(len(states))])
 
     def sample(
@@ -347,15 +376,22 @@ class Sampler:
         states: Sequence[SequenceSampling],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
+        masks: Sequence[np.ndarray | None] | None = None,
     ) -> SampleResult:
-        """One token per row (argmax for greedy rows, a draw otherwise) and the logprobs rows asked for."""
-        logits = _checked(logits, states, prompt_ids, output_ids)
-        if all(_plain_greedy(state.params, len(out)) for state, out in zip(states, output_ids, strict=True)):
-            # nothing changes the logits' order: the argmax of the model's own logits (saves a float64 copy
-            # and the masks, ~0.4 ms per step at batch 1)
+        """One token per row (argmax for greedy rows, a draw otherwise) and the logprobs rows asked for; `masks`
+        holds a packed bitmask of the allowed tokens (or None) per row."""
+        logits = _checked(logits, states, prompt_ids, output_ids, masks)
+        if all(plain_greedy(state.params, len(out)) for state, out in zip(states, output_ids, strict=True)):
+            # nothing but masks changes the logits' order: the argmax of the model's own logits (saves a float64
+            # copy and the min_tokens masks, ~0.4 ms per step at batch 1), redone only where a mask refuses it
+            tokens = logits.argmax(axis=1).astype(np.int64)
+            for row, mask in enumerate(() if masks is None else masks):
+                if mask is not None and not _is_allowed(mask, tokens[row]):
+                    allowed = allowed_tokens(mask, logits.shape[1])
+                    tokens[row] = np.where(allowed, logits[row], -np.inf).argmax()
             none = [None] * len(states)
-            return SampleResult(logits.argmax(axis=1).astype(np.int64), none, list(none))
-        step = self._step(logits, states, prompt_ids, output_ids)
+            return SampleResult(tokens, none, list(none))
+        step = self._step(logits, states, prompt_ids, output_ids, masks)
         tokens = step.logits.argmax(axis=1)
         drawn = np.flatnonzero(step.slot >= 0)
         if drawn.size:
@@ -368,10 +404,14 @@ class Sampler:
         states: Sequence[SequenceSampling],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
+        masks: Sequence[np.ndarray | None] | None = None,
     ) -> _Step:
-        """Steps 1 to 8 on a float64 copy of the logits (the caller's array is not touched)."""
-        logits = np.array(_checked(logits, states, prompt_ids, output_ids), dtype=np.float64)
+        """Steps 1 to 9 on a float64 copy of the logits (the caller's array is not touched)."""
+        logits = np.array(_checked(logits, states, prompt_ids, output_ids, masks), dtype=np.float64)
         params = [s.params for s in states]
+        for row, mask in enumerate(() if masks is None else masks):
+            if mask is not None:
+                np.copyto(logits[row], -np.inf, where=~allowed_tokens(mask, logits.shape[1]))  # 20x a bool index
         self._mask_early_stops(logits, params, output_ids)
         self._apply_logit_bias(logits, params)
         self._apply_penalties(logits, params, prompt_ids, output_ids)
@@ -421,6 +461,27 @@ class Sampler:
         active = np.flatnonzero((frequency != 0.0) | (presence != 0.0))
         rows, tokens, counts = _token_counts("output ids", [output_ids[i] for i in active], active, vocab)
         logits[rows, tokens] -= frequency[rows] * counts + presence[rows]
+
+    def processed(
+        self,
+        logits: np.ndarray,
+        states: Sequence[SequenceSampling],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        masks: Sequence[np.ndarray | None] | None = None,
+    ) -> _Step:
+        """Steps 1 to 9 of every row, without drawing: what speculative decoding's verification and draft
+        proposals compare (greedy rows' argmax, drawing rows' final weights)."""
+        return self._step(logits, states, prompt_ids, output_ids, masks)
+
+    def uniform(self, state: SequenceSampling) -> float:
+        """One uniform [0, 1) draw from the sequence's own generator, else the shared one."""
+        return float((state.generator or self.generator).random())
+
+    def draw(self, weights: np.ndarray, state: SequenceSampling) -> int:
+        """One inverse-CDF draw from a row of non-negative weights, with the sequence's generator."""
+        cdf = np.cumsum(weights.astype(np.float64))
+        return int(np.argmax(cdf > self.uniform(state) * cdf[-1]))  # a zero-weight token never crosses
 
     def _draw(self, weights: np.ndarray, states: Sequence[SequenceSampling]) -> np.ndarray:
         """One inverse-CDF draw per row: seeded rows use their own generator, the others the shared one."""

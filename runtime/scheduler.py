@@ -7,6 +7,10 @@ Waiting sequences are then admitted in arrival order while the budget, the cap a
 sequence starts after its cached prefix. When a running sequence needs a block and the pool has none, the
 newest running sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed (its prompt and output so far) when there is room again.
+
+With speculative decoding (`num_lookahead_tokens` k > 0) a decoding sequence is also given room for k proposed
+tokens: blocks for them and k more tokens of the step's budget (fewer when the budget or the context is short);
+`ScheduledSequence.num_lookahead` says how many the proposer may fill.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class Sequence:
     prompt_len: int
     num_computed: int = 0
     width: int = 1
+    preemptions: int = 0  # times its KV was dropped (a draft model's cache of it is then stale too)
 
     @property
     def num_uncomputed(self) -> int:
@@ -38,10 +43,18 @@ class Sequence:
 class ScheduledSequence:
     sequence: Sequence
     num_tokens: int  # new tokens it brings to this step, after its num_computed cached ones
+    num_lookahead: int = 0  # room (blocks and budget) for this many speculative tokens after them
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int = 16, max_num_batched_tokens: int = 128) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 128,
+        num_lookahead_tokens: int = 0,
+        max_context: int | None = None,
+    ) -> None:
         if max_num_seqs < 1:
             raise GenerationError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:  # else the newest running sequences would never get a turn
@@ -50,6 +63,7 @@ class Scheduler:
             )
         self.blocks = blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.num_lookahead_tokens, self.max_context = num_lookahead_tokens, max_context
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -82,15 +96,16 @@ class Scheduler:
             if count == 0:  # nothing new to compute (its next token is not sampled yet)
                 index += 1
                 continue
-            while not self.blocks.allocate(sequence.seq_id, sequence.num_computed + count):
+            lookahead = self._lookahead(sequence, budget - count)
+            while not self.blocks.allocate(sequence.seq_id, sequence.num_computed + count + lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is sequence:
                     break
             else:
-                scheduled.append(ScheduledSequence(sequence, count))
-                budget -= count
+                scheduled.append(ScheduledSequence(sequence, count, lookahead))
+                budget -= count + lookahead
                 index += 1
                 continue
             break
@@ -112,9 +127,18 @@ class Scheduler:
             budget -= count
         return scheduled
 
+    def _lookahead(self, sequence: Sequence, budget: int) -> int:
+        """Speculative room for a decoding sequence (one token to compute, its prompt done): k, or what the
+        step's budget and the context leave."""
+        if sequence.num_uncomputed != 1 or len(sequence.token_ids) <= sequence.prompt_len:
+            return 0
+        room = self.num_lookahead_tokens if self.max_context is None else self.max_context - len(sequence.token_ids)
+        return max(0, min(self.num_lookahead_tokens, budget, room))
+
     def _preempt(self, sequence: Sequence) -> None:
         """Free the sequence's blocks and queue it first, to be recomputed."""
         self.blocks.free(sequence.seq_id)
         sequence.num_computed = 0
+        sequence.preemptions += 1
         self.waiting.appendleft(sequence)
         self.preemptions += 1

@@ -84,6 +84,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token and its id (added tokens included): two tokenizers with equal ones encode alike."""
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what grammar compilers build their own tokenizer from)."""
+        return self._tokenizer.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

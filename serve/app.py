@@ -36,6 +36,7 @@ from .protocol import (
     Formatter,
     completion_prompts,
     sampling_params,
+    structured_error,
     usage,
 )
 
@@ -183,7 +184,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             stream = await engine.submit(ids, params, chat=False)
         except GenerationError as error:
             release()
-            raise APIError(400, str(error), _param(str(error), field), "invalid_value") from None
+            message = str(error)
+            error = structured_error(message, body) or APIError(400, message, _param(message, field), "invalid_value")
+            raise error from None
         formatter = Formatter(tokenizer, config.model_name, chat, params.n)
         if body.stream:
             with_usage = bool(body.stream_options and body.stream_options.include_usage)

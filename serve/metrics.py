@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..runtime import EngineStats, GenerationResult
+from ..runtime.speculative import SpeculationStats
 
 PREFIX = "llmlower:"
 FINISH_REASONS = ("stop", "length", "abort")  # vLLM's request_success_total labels
@@ -54,6 +55,35 @@ class EngineCollector(Collector):
         for reason in FINISH_REASONS:
             finished.add_metric([*labels[1], reason], stats.finished.get(reason, 0))
         yield finished
+        if stats.speculation is not None:
+            yield from self._speculation(stats.speculation, labels)
+
+    @staticmethod
+    def _speculation(speculation: SpeculationStats, labels: tuple[list[str], list[str]]) -> Iterator:
+        """Speculative decoding's counters (vLLM's spec_decode_* names), accepted tokens also by position."""
+        counters = {
+            "spec_decode_num_drafts": ("verification steps that had proposed tokens", speculation.drafts),
+            "spec_decode_num_draft_tokens": ("tokens proposed", speculation.proposed),
+            "spec_decode_num_accepted_tokens": ("proposed tokens accepted", speculation.accepted),
+        }
+        for name, (text, value) in counters.items():
+            metric = CounterMetricFamily(PREFIX + name, text, labels=labels[0])
+            metric.add_metric(labels[1], value)
+            yield metric
+        by_position = {
+            "spec_decode_num_draft_tokens_per_pos": ("tokens proposed, by position", speculation.proposed_by_position),
+            "spec_decode_num_accepted_tokens_per_pos": (
+                "tokens accepted, by position",
+                speculation.accepted_by_position,
+            ),
+        }
+        for name, (text, counts) in by_position.items():
+            metric = CounterMetricFamily(
+                PREFIX + name, text + " (0: a proposal's first)", labels=[*labels[0], "position"]
+            )
+            for position, count in enumerate(counts):
+                metric.add_metric([*labels[1], str(position)], count)
+            yield metric
 
 
 class Metrics:

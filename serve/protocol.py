@@ -3,8 +3,9 @@
 Requests are validated strictly (a string where a number belongs is an error, not a guess). The sampling fields
 are OpenAI's plus vLLM's extras (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens,
 include_stop_str_in_output), with OpenAI's defaults (temperature 1, completions stop after 16 tokens, chat
-completions at the end of the context). Fields of features this server does not have (tools, response formats,
-suffix, echo, best_of) are refused rather than ignored.
+completions at the end of the context). Structured output comes as OpenAI's response_format (text, json_object,
+json_schema) or vLLM's structured_outputs (json, json_object, regex, grammar). Fields of features this server does
+not have (tools, suffix, echo, best_of) are refused rather than ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import GenerationError
 from ..runtime import GenerationDelta, GenerationResult, SamplingParams, Tokenizer, TokenLogprob
+from ..runtime.structured import StructuredOutput
 from .errors import APIError
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -26,6 +28,32 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
+
+
+class JsonSchema(BaseModel):
+    """response_format's json_schema (OpenAI): the schema is always enforced, whatever `strict` says."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one of a JSON schema, any JSON object, a regex or a Lark grammar."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(BaseModel):
@@ -54,19 +82,17 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
     # features this server does not have: refused when set
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         names = ["tools", "tool_choice", "functions", "function_call"]
-        given = [name for name in names if getattr(self, name) is not None]
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            given.append("response_format")
-        return given
+        return [name for name in names if getattr(self, name) is not None]
 
 
 class CompletionRequest(SamplingFields):
@@ -142,6 +168,7 @@ def sampling_params(request: CompletionRequest | ChatRequest, max_tokens: int) -
         "logprobs": logprobs,
         "top_logprobs": top,
         "include_stop_str_in_output": request.include_stop_str_in_output,
+        "structured_output": structured_output(request),
     }
     try:
         return SamplingParams(**fields)
@@ -151,6 +178,48 @@ def sampling_params(request: CompletionRequest | ChatRequest, max_tokens: int) -
         if param == "max_tokens" and isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
             param = "max_completion_tokens"
         raise APIError(400, str(error), param, "invalid_value") from None
+
+
+def _structured(request: SamplingFields) -> tuple[dict[str, Any], str] | None:
+    """The StructuredOutput fields a request asks for, and the request field they come from (errors name it)."""
+    given = request.response_format
+    if given is not None and given.type != "text" and request.structured_outputs is not None:
+        message = "response_format and structured_outputs cannot both be set"
+        raise APIError(400, message, "structured_outputs", "invalid_value")
+    if given is not None and given.type == "json_schema":
+        if given.json_schema is None:
+            message = "response_format.json_schema is required when type is json_schema"
+            raise APIError(400, message, "response_format.json_schema", "invalid_value")
+        return {"json": given.json_schema.schema_}, "response_format.json_schema.schema"
+    if given is not None and given.type == "json_object":
+        return {"json_object": True}, "response_format"
+    if request.structured_outputs is not None:
+        fields = request.structured_outputs.model_dump(by_alias=True, exclude_defaults=True)
+        return fields, "structured_outputs" + "".join(f".{name}" for name in fields if len(fields) == 1)
+    return None
+
+
+def structured_output(request: SamplingFields) -> StructuredOutput | None:
+    """The request's response_format or structured_outputs as the engine's StructuredOutput; a bad one is a 400
+    naming the request's field (response_format.json_schema.schema, structured_outputs.regex, ...)."""
+    asked = _structured(request)
+    if asked is None:
+        return None
+    try:
+        return StructuredOutput(**asked[0])
+    except GenerationError as error:  # a bad field, or no llguidance installed
+        message = str(error)
+        raise structured_error(message, request) or APIError(400, message, asked[1], "unsupported") from None
+
+
+def structured_error(message: str, request: SamplingFields) -> APIError | None:
+    """An engine error about a request's structured output ("structured_output.json: ...") as a 400 naming the
+    request's own field; None for any other error."""
+    asked = _structured(request)
+    found = re.match(r"structured_output(\.[a-z_]+)?", message)
+    if asked is None or found is None:
+        return None
+    return APIError(400, asked[1] + message[found.end() :], asked[1], "invalid_value")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

@@ -1,8 +1,10 @@
-"""The `llmlower` command: generate --json fields, inspect's KV-cache figures, passes listing."""
+"""The `llmlower` command: generate --json fields and structured output, inspect's KV-cache figures, passes
+listing."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -27,6 +29,22 @@ def test_generate_raw_skips_the_template(tiny_llama, capsys):
     main(["generate", str(tiny_llama), "--prompt", "Hello", "--max-tokens", "2", "--json", "--raw", *REFERENCE])
     out = json.loads(capsys.readouterr().out)
     assert 3 not in out["prompt_token_ids"]
+
+
+def test_generate_with_a_json_schema_or_a_regex(tiny_llama, tmp_path, capsys):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    args = ["generate", str(tiny_llama), "--prompt", "Hi", "--raw", "--json", *REFERENCE]
+    assert main([*args, "--json-schema", str(tmp_path / "schema.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0 <= json.loads(out["text"])["n"] <= 9 and out["finish_reason"] == "stop"
+    assert main([*args, "--regex", "[0-9]{3}"]) == 0
+    assert re.fullmatch("[0-9]{3}", json.loads(capsys.readouterr().out)["text"])
+    assert main([*args, "--regex", "(abc"]) == 1
+    err = capsys.readouterr().err
+    assert "structured_output.regex: not a valid regex" in err and "Traceback" not in err
+    assert main([*args, "--grammar", str(tmp_path / "missing.lark")]) == 1
+    assert "missing.lark: cannot be read" in capsys.readouterr().err
 
 
 def test_inspect_reports_kv_bytes(tiny_llama, capsys):

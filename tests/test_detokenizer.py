@@ -105,7 +105,7 @@ def test_flush_releases_an_incomplete_character(tok):
     text_stream = TextStream(tok)
     deltas = run(text_stream, ids[:cut])
     assert not any("\ufffd" in d.text for d in deltas)
-    last = text_stream.finish_length()
+    last = text_stream.finish("length")
     assert last.finished and last.finish_reason == "length" and last.text.endswith("\ufffd")
     assert text_stream.text == tok.decode(ids[:cut])
 

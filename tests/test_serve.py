@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,6 +27,16 @@ from llmlower.cli import main
 KEY = "test-key"
 MODEL = "tiny"
 QUESTIONS = [f"Question {i}: what comes after {i} and {i + 1}?" for i in range(64)]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 
 
 def _free_port() -> int:
@@ -290,6 +302,87 @@ BAD_REQUESTS = [  # (what, path, body or raw bytes, headers, status, param, code
         "context_length_exceeded",
     ),
     ("tools", "/v1/chat/completions", {"tools": [{"type": "function"}]}, {}, 400, "tools", "unsupported"),
+    (
+        "JSON schema llguidance refuses",
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+        {},
+        400,
+        "response_format.json_schema.schema",
+        "invalid_value",
+    ),
+    (
+        "json_schema without a schema",
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        {},
+        400,
+        "response_format.json_schema.schema",
+        "invalid_value",
+    ),
+    (
+        "response_format xml",
+        "/v1/completions",
+        {"response_format": {"type": "xml"}},
+        {},
+        400,
+        "response_format.type",
+        "invalid_value",
+    ),
+    (
+        "bad regex",
+        "/v1/completions",
+        {"structured_outputs": {"regex": "(abc"}},
+        {},
+        400,
+        "structured_outputs.regex",
+        "invalid_value",
+    ),
+    (
+        "bad Lark grammar",
+        "/v1/chat/completions",
+        {"structured_outputs": {"grammar": "start: missing"}},
+        {},
+        400,
+        "structured_outputs.grammar",
+        "invalid_value",
+    ),
+    (
+        "a special token the tokenizer lacks",
+        "/v1/completions",
+        {"structured_outputs": {"grammar": 'start: "x" <|nope|>'}},
+        {},
+        400,
+        "structured_outputs.grammar",
+        "invalid_value",
+    ),
+    (
+        "two structured outputs",
+        "/v1/completions",
+        {"structured_outputs": {"regex": "a", "json_object": True}},
+        {},
+        400,
+        "structured_outputs",
+        "invalid_value",
+    ),
+    (
+        "response_format and structured_outputs",
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        {},
+        400,
+        "structured_outputs",
+        "invalid_value",
+    ),
+    (
+        "structured_outputs choice",
+        "/v1/completions",
+        {"structured_outputs": {"choice": ["a", "b"]}},
+        {},
+        400,
+        "structured_outputs.choice",
+        "invalid_value",
+    ),
     ("unknown model", "/v1/completions", {"model": "gpt-9"}, {}, 404, "model", "model_not_found"),
     ("no API key", "/v1/models", None, {"Authorization": ""}, 401, None, "invalid_api_key"),
     ("wrong API key", "/v1/completions", {}, {"Authorization": "Bearer nope"}, 401, None, "invalid_api_key"),
@@ -328,6 +421,30 @@ def test_the_openai_client_sees_typed_errors(server):
     assert raised.value.body["param"] == "top_p"
 
 
+def test_structured_output_with_response_format_and_structured_outputs(server):
+    """A JSON schema as OpenAI's response_format (whole and streamed), a regex as vLLM's structured_outputs; a
+    schema llguidance refuses is the openai client's BadRequestError naming the param."""
+    client = _client(server)
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    asked = {"model": MODEL, "messages": [{"role": "user", "content": "A person"}], "max_tokens": 200, "temperature": 0}
+    reply = client.chat.completions.create(**asked, response_format=person)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    assert reply.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**asked, response_format=person, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    code = client.completions.create(
+        model=MODEL, prompt="Code:", max_tokens=30, temperature=0, extra_body={"structured_outputs": {"regex": regex}}
+    )
+    assert re.fullmatch(regex, code.choices[0].text) and code.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            **asked, response_format={**person, "json_schema": {"name": "x", "schema": {"type": "foo"}}}
+        )
+    assert raised.value.body["param"] == "response_format.json_schema.schema"
+    assert "not a valid JSON schema" in raised.value.body["message"]
+
+
 def test_metrics_parse_and_move_with_the_traffic(server):
     before = _wait_idle(server)
     client = _client(server)
@@ -343,6 +460,29 @@ def test_metrics_parse_and_move_with_the_traffic(server):
     assert moved["llmlower:request_success_total{length}"] == 2 and moved["llmlower:request_success_total{abort}"] == 0
     assert "llmlower:num_preemptions_total" in after
     assert httpx.get(f"{server}/metrics").status_code == 200  # no API key needed
+
+
+def test_speculative_serving_counts_proposals_and_keeps_structured_output(artifact, tmp_path):
+    flags = ("--speculative", "ngram", "--num-speculative-tokens", "3")
+    with serving(artifact, *flags, log=tmp_path / "log") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        repeated = "compile the graph, compile the graph, compile the graph, compile the"
+        client.completions.create(model="tiny-onnx", prompt=repeated, max_tokens=24, temperature=0)
+        reply = client.chat.completions.create(
+            model="tiny-onnx",
+            messages=[{"role": "user", "content": "a person as JSON"}],
+            max_tokens=80,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        )
+        jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+        values = _wait_idle(url)
+    drafts, proposed = (
+        values["llmlower:spec_decode_num_drafts_total"],
+        values["llmlower:spec_decode_num_draft_tokens_total"],
+    )
+    assert proposed >= drafts >= 1 and proposed >= values["llmlower:spec_decode_num_accepted_tokens_total"]
+    assert "llmlower:spec_decode_num_accepted_tokens_per_pos_total" in values
 
 
 def test_a_full_queue_answers_429_with_retry_after(artifact, tmp_path):

@@ -19,6 +19,7 @@ from llmlower.passes import build_pipeline, parse_quant, run_pipeline
 from llmlower.runtime import Engine
 from llmlower.runtime.perplexity import perplexity
 from llmlower.runtime.sampling import SamplingParams
+from llmlower.runtime.speculative import SpeculativeConfig
 
 PROMPTS = [
     "What is the capital of France?",
@@ -147,6 +148,30 @@ def test_sixteen_requests_under_a_small_pool_give_their_tokens_alone(fp32_artifa
     engine = Engine.load(artifact, max_num_seqs=8, max_context=256, num_blocks=4 * 256 // 16, max_num_batched_tokens=32)
     results = serve(engine, prompts, [0, 0, 0, 1, 2, 3, 3, 4, 6, 7, 9, 10, 12, 13, 15, 18], greedy)
     assert [r.token_ids for r in results] == alone
+    assert engine.stats().kv_blocks_used == 0
+
+
+REWRITES = [
+    "Repeat this sentence exactly: the cache holds the keys and values of every past token.",
+    "Copy this list, one item per line: apples, pears, plums, cherries, grapes.",
+    "Fix the spelling and repeat the rest as it is: the compiler recieves a graph and rewrites it.",
+    "Write the numbers from one to ten as words, separated by commas.",
+]
+
+
+def test_prompt_lookup_speculation_gives_the_greedy_tokens_of_plain_decoding(fp32_artifacts):
+    """SmolLM2 on the ONNX CPU artifact, 20 chat prompts (questions, and rewrites where prompt lookup hits),
+    8 at a time: with speculative decoding (prompt lookup, 4 tokens) every greedy output is plain decoding's."""
+    artifact = fp32_artifacts("onnx")
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    prompts = QUESTIONS + REWRITES
+    plain = Engine.load(artifact, max_num_seqs=8, max_context=256).generate(prompts, greedy)
+    engine = Engine.load(artifact, max_num_seqs=8, max_context=256, speculative=SpeculativeConfig("ngram", 4))
+    results = engine.generate(prompts, greedy)
+    for prompt, ours, expected in zip(prompts, results, plain, strict=True):
+        assert ours.token_ids == expected.token_ids, prompt
+    stats = engine.stats().speculation
+    assert stats.accepted > 0 and stats.mean_accepted_length > 1
     assert engine.stats().kv_blocks_used == 0
 
 
