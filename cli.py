@@ -128,7 +128,8 @@ def _engine(args: argparse.Namespace, sequences: int, backend: str = "torch") ->
 
 def _compile_request(args: argparse.Namespace, backend: str) -> CompileRequest:
     """What generate and chat compile MODEL with: the pipeline flags (--quant RECOMMENDED_QUANT unless given),
-    --dtype, and --block-size where the backend fixes it when compiling (a paged KV layout), for the CPU."""
+    --dtype, --block-size where the backend fixes it when compiling (a paged KV layout), and the self-draft of
+    --speculative self:K, for the CPU."""
     from .runtime.backends import get_backend
     from .step_io import KVLayout
 
@@ -136,7 +137,9 @@ def _compile_request(args: argparse.Namespace, backend: str) -> CompileRequest:
     paged = get_backend(backend).layout("cpu") is KVLayout.PAGED
     pipeline = tuple(_pipeline(args, default_quant=quant))
     block_size = args.block_size if paged else None
-    return CompileRequest(pipeline, quant, backend, target="cpu", dtype=args.dtype, block_size=block_size)
+    speculative = _speculative(args)
+    drafts = (speculative.layers,) if speculative is not None and speculative.method == "self" else ()
+    return CompileRequest(pipeline, quant, backend, "cpu", args.dtype, block_size, drafts)
 
 
 def parse_bytes(text: str) -> int:

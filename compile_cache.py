@@ -44,7 +44,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class CompileRequest:
     """What a model is compiled with: the pipeline (as passes.build_pipeline returns it, from `quant`, which
-    names the entry), the backend, target and dtype, and the KV block size of a paged backend."""
+    names the entry), the backend, target and dtype, the KV block size of a paged backend, and the self-drafts
+    (--speculative self:K) to compile with it."""
 
     pipeline: tuple[PassSpec, ...]
     quant: str = RECOMMENDED_QUANT
@@ -52,6 +53,7 @@ class CompileRequest:
     target: str = "cpu"
     dtype: str | None = None
     block_size: int | None = None
+    draft_layers: tuple[int, ...] = ()
 
 
 def model_files(source: Path) -> dict[str, list[int]]:
@@ -104,6 +106,7 @@ def cache_key(source: Path, request: CompileRequest) -> dict[str, Any]:
             "target": request.target,
             "dtype": request.dtype,
             "block_size": request.block_size,
+            "draft_layers": request.draft_layers,
         },
         "model_files": model_files(source),
         "toolkit": toolkit(),
@@ -181,6 +184,7 @@ def compile_entry(source: Path, entry: Path, request: CompileRequest, key: dict[
         block_size=request.block_size,
         verify=verify,
         write_extra=write_key,
+        draft_layers=list(request.draft_layers),
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from llmlower.api import compile_artifact
 from llmlower.passes import build_pipeline, with_kv_layout
+from llmlower.runtime.artifact import FORMAT_VERSION
 from llmlower.runtime.backends import get_backend
 
 
@@ -31,6 +32,7 @@ def ensure_artifact(
     wanted = [(p, {}) if isinstance(p, str) else (p[0], p[1]) for p in with_kv_layout(pipeline, layout)]
     built = [(p["name"], p["options"]) for p in manifest.get("pipeline", [])]
     same = manifest.get("backend") == backend and manifest.get("kv_layout", {}).get("kind") == layout.value
+    same = same and manifest.get("format_version") == FORMAT_VERSION
     drafts = sorted(d["layers"] for d in manifest.get("drafts", {}).values())
     if rebuild or not same or built != wanted or drafts != sorted(draft_layers):
         print(f"[benchmarks] compiling {backend} {options or 'fp32'} into {directory}", file=sys.stderr)

@@ -3,9 +3,11 @@
 Workloads (greedy, chat template, up to --new-tokens tokens): rewrite (fix a paragraph's typos), summarise,
 code edit (add type hints, rename), where the answer copies much of its prompt and prompt lookup hits; and plain
 chat, where it rarely does. Each method runs every prompt of a workload `--repeats` times, one request at a time;
-a workload's tokens/s is its output tokens over its wall time, median over the repeats. Every speculative output
-is checked equal to plain decoding's (greedy speculation is exact). Acceptance: proposed tokens accepted, and
-tokens emitted per verification step (accepted + 1).
+a workload's tokens/s is its output tokens over its wall time, median over the repeats. Acceptance: proposed
+tokens accepted, and tokens emitted per verification step (accepted + 1). "same": how many outputs equal plain
+decoding's token for token. Greedy speculation picks exactly the argmax of the logits it is given, but a
+quantized artifact's k-row verification step rounds differently from a 1-row decode step (MatMulNBits' int8
+activations), so a near tie can go the other way and the texts part there (fp32 artifacts: equal; tests).
 
     .venv/bin/python benchmarks/speculative.py [--model example] [--quant q4mix] [--methods ngram:4,self:8]
         [--new-tokens 128] [--repeats 3] [--threads 0] [--artifacts DIR] [--json FILE]
@@ -113,9 +115,7 @@ def main() -> int:
             measured = run(engine, prompts, params, args.repeats)
             if method == "none":
                 baseline[workload] = measured
-            elif measured["outputs"] != baseline[workload]["outputs"]:
-                print(f"{method} {workload}: output differs from plain decoding", file=sys.stderr)
-                return 1
+            pairs = list(zip(measured["outputs"], baseline[workload]["outputs"], strict=True))
             stats = measured["speculation"]
             row = {
                 "method": method,
@@ -125,6 +125,7 @@ def main() -> int:
                 "acceptance_rate": round(stats.acceptance_rate, 3),
                 "mean_accepted_length": round(stats.mean_accepted_length, 2),
                 "acceptance_by_position": [round(a, 2) for a in stats.acceptance_by_position()],
+                "same": f"{sum(a == b for a, b in pairs)}/{len(pairs)}",
             }
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -132,15 +133,15 @@ def main() -> int:
         f"\n{args.model} {args.quant} (ONNX CPU), batch 1, greedy, {args.new_tokens} new tokens, "
         f"median of {args.repeats}\n"
     )
-    print("| method | workload | tok/s | speedup | accepted | tokens/step | by position |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("| method | workload | tok/s | speedup | accepted | tokens/step | by position | same |")
+    print("|---|---|---:|---:|---:|---:|---|---:|")
     for r in rows:
         by_position = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]) or "-"
         accepted = f"{r['acceptance_rate']:.0%}" if r["method"] != "none" else "-"
         tokens = f"{r['mean_accepted_length']:.2f}" if r["method"] != "none" else "-"
         print(
             f"| {r['method']} | {r['workload']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {accepted} | "
-            f"{tokens} | {by_position} |"
+            f"{tokens} | {by_position} | {r['same']} |"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -23,10 +23,10 @@ import argparse
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from profile_step import timed
 
 from llmlower.frontend.example import example_checkpoint
 from llmlower.runtime import Engine, SamplingParams, Tokenizer
@@ -102,19 +102,6 @@ def mask_rows(tokenizers: dict[str, tuple[str, int, int]], count: int) -> None:
                 f"| {label} | {name} | {len(times)} | {median:.1f} | {p90:.1f} | {compile_ms:.1f} | {greedy:.1f} "
                 f"| {drawn:.1f} |"
             )
-
-
-def timed(totals: dict[str, float], name: str, function: Callable) -> Callable:
-    """`function` with its wall time added to totals[name] on every call."""
-
-    def wrapper(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            totals[name] += time.perf_counter() - started
-
-    return wrapper
 
 
 def decode_row(model: str, tokens: int) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import LlmlowerError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2  # 2: KV layouts 'slots' and 'paged' (continuous batching)
+FORMAT_VERSION = 3  # 2: KV layouts "slots" and "paged" (continuous batching); 3: the logits_indices step input
 # Files the runtime reads by name rather than through a manifest field (runtime.tokenizer.Tokenizer.from_dir):
 # tokenizer.json must be hashed; the others, when present, must be hashed too (else the artifact is refused).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -183,7 +183,9 @@ def read_manifest(directory: str | Path, verify: bool = True) -> dict[str, Any]:
         raise ArtifactError(f"{path}: expected a JSON object, found {type(manifest).__name__}")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
-        raise ArtifactError(f"{path}: format_version {version!r}; this llmlower reads version {FORMAT_VERSION}")
+        raise ArtifactError(
+            f"{path}: format_version {version!r}; this llmlower reads version {FORMAT_VERSION} (compile it again)"
+        )
     files = check_manifest_paths(directory, manifest)
     for name, expected in files.items():
         file = directory / name

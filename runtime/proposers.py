@@ -45,7 +45,7 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    def __init__(self, ngram_max: int = 4, ngram_min: int = 1) -> None:
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 2) -> None:
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
 
     def propose(self, sequences: Sequence[Speculating], limits: Sequence[int]) -> list[Proposal]:

@@ -321,7 +321,7 @@ def _weights(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray
 
 
 @dataclass
-class _Step:
+class Processed:
     """One decode step after steps 1 to 9: every row's logits after step 5, and the final weights of drawing rows."""
 
     logits: np.ndarray  # float64 [batch, vocab], after the structured output's mask, min_tokens, bias and penalties
@@ -367,7 +367,7 @@ class Sampler:
         masks: Sequence[np.ndarray | None] | None = None,
     ) -> np.ndarray:
         """Log-probabilities of the final distribution each row's token is chosen from: float64 [batch, vocab]."""
-        step = self._step(logits, states, prompt_ids, output_ids, masks)
+        step = self.processed(logits, states, prompt_ids, output_ids, masks)
         return np.stack([step.logprobs(row) for row in range(len(states))])
 
     def sample(
@@ -391,22 +391,24 @@ class Sampler:
                     tokens[row] = np.where(allowed, logits[row], -np.inf).argmax()
             none = [None] * len(states)
             return SampleResult(tokens, none, list(none))
-        step = self._step(logits, states, prompt_ids, output_ids, masks)
+        step = self.processed(logits, states, prompt_ids, output_ids, masks)
         tokens = step.logits.argmax(axis=1)
         drawn = np.flatnonzero(step.slot >= 0)
         if drawn.size:
             tokens[drawn] = self._draw(step.weights, [states[i] for i in drawn])
         return SampleResult(tokens, *self._logprobs(step, tokens, states))
 
-    def _step(
+    def processed(
         self,
         logits: np.ndarray,
         states: Sequence[SequenceSampling],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
         masks: Sequence[np.ndarray | None] | None = None,
-    ) -> _Step:
-        """Steps 1 to 9 on a float64 copy of the logits (the caller's array is not touched)."""
+    ) -> Processed:
+        """Steps 1 to 9 of every row on a float64 copy of the logits (the caller's array is not touched), without
+        drawing: what sampling draws from, and what speculative decoding's verification and draft proposals
+        compare (greedy rows' argmax, drawing rows' final weights)."""
         logits = np.array(_checked(logits, states, prompt_ids, output_ids, masks), dtype=np.float64)
         params = [s.params for s in states]
         for row, mask in enumerate(() if masks is None else masks):
@@ -418,7 +420,7 @@ class Sampler:
         drawn = np.flatnonzero([not p.greedy for p in params])
         slot = np.full(len(params), -1)
         slot[drawn] = np.arange(drawn.size)
-        return _Step(logits, slot, _weights(logits[drawn], [params[i] for i in drawn]))
+        return Processed(logits, slot, _weights(logits[drawn], [params[i] for i in drawn]))
 
     def _mask_early_stops(
         self, logits: np.ndarray, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]]
@@ -462,18 +464,6 @@ class Sampler:
         rows, tokens, counts = _token_counts("output ids", [output_ids[i] for i in active], active, vocab)
         logits[rows, tokens] -= frequency[rows] * counts + presence[rows]
 
-    def processed(
-        self,
-        logits: np.ndarray,
-        states: Sequence[SequenceSampling],
-        prompt_ids: Sequence[Sequence[int]],
-        output_ids: Sequence[Sequence[int]],
-        masks: Sequence[np.ndarray | None] | None = None,
-    ) -> _Step:
-        """Steps 1 to 9 of every row, without drawing: what speculative decoding's verification and draft
-        proposals compare (greedy rows' argmax, drawing rows' final weights)."""
-        return self._step(logits, states, prompt_ids, output_ids, masks)
-
     def uniform(self, state: SequenceSampling) -> float:
         """One uniform [0, 1) draw from the sequence's own generator, else the shared one."""
         return float((state.generator or self.generator).random())
@@ -496,7 +486,7 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        step: _Step, tokens: np.ndarray, states: Sequence[SequenceSampling]
+        step: Processed, tokens: np.ndarray, states: Sequence[SequenceSampling]
     ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
         """The chosen token's logprob and the top_logprobs most likely tokens, for rows with logprobs set."""
         chosen: list[float | None] = [None] * len(states)

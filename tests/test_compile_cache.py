@@ -148,3 +148,12 @@ def test_bad_input_writes_nothing(tiny_llama, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "--quant 'q5'" in err and "missing: no such file or directory" in err
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_self_draft_speculation_compiles_an_entry_with_the_draft(cache, tiny_llama, capsys):
+    result, _ = generate(tiny_llama, capsys, "--speculative", "self:1", "--temperature", "0")
+    drafted = [entry for entry in entries(cache) if "drafts" in read_manifest(entry)]
+    assert len(drafted) == 1 and len(entries(cache)) == 2  # another entry beside the plain one
+    assert result["speculation"]["drafts"] >= 1
+    again, err = generate(tiny_llama, capsys, "--speculative", "self:1", "--temperature", "0")
+    assert "compiling" not in err and again["token_ids"] == result["token_ids"]

@@ -261,3 +261,20 @@ def test_constrained_outputs_are_verified_under_the_grammars_masks(method, tiny_
     assert re.fullmatch(r"(ab|cd){2,5}-\d{3}", results[1].text)
     assert engine.stats().speculation.proposed > 0
     _assert_all_blocks_free(engine)
+
+
+def test_logprobs_of_verified_tokens_are_the_targets(tiny_llama):
+    """Greedy with logprobs (the sampler's full path): the same tokens and logprobs as without speculation."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=True, top_logprobs=2)
+    prompts = _prompts(320, count=4)
+    plain = load_engine(tiny_llama, max_context=CONTEXT).generate(prompts, params, chat=False)
+    engine = load_engine(tiny_llama, max_context=CONTEXT, speculative=SpeculativeConfig("self", 3, layers=1))
+    results = engine.generate(prompts, params, chat=False)
+    assert engine.stats().speculation.accepted > 0
+    for ours, expected in zip(results, plain, strict=True):
+        assert ours.token_ids == expected.token_ids
+        assert [t.token_id for t in ours.logprobs] == ours.token_ids
+        np.testing.assert_allclose(
+            [t.logprob for t in ours.logprobs], [t.logprob for t in expected.logprobs], atol=1e-4
+        )
+        assert [[i for i, _ in t.top] for t in ours.logprobs] == [[i for i, _ in t.top] for t in expected.logprobs]
