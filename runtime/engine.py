@@ -148,6 +148,7 @@ class _Sequence(SchedulerSequence):
     stream: TextStream | None = None
     constraint: Constraint | None = None  # its structured output's grammar state
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    lookahead: int = 1 << 30  # guesses worth proposing: one more than its last proposal kept (see _propose)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     cached_tokens: int = 0
@@ -516,7 +517,9 @@ class Engine:
 
     def _propose(self, scheduled: list[ScheduledSequence]) -> tuple[list[Proposal], list[list | None]]:
         """Each scheduled sequence's speculative tokens (none for prompt chunks, or without a proposer), and for
-        constrained ones the grammar's mask at each position; a guess the grammar refuses ends its proposal."""
+        constrained ones the grammar's mask at each position; a guess the grammar refuses ends its proposal. A
+        sequence proposes at most one guess more than its last proposal kept: verifying a guess is not free (on
+        this CPU each extra row of a step costs ~20% of a decode step), so one whose guesses miss drops to one."""
         proposals = [Proposal() for _ in scheduled]
         masks: list[list | None] = [None] * len(scheduled)
         if self.proposer is None:
@@ -524,7 +527,7 @@ class Engine:
         picked = [i for i, item in enumerate(scheduled) if item.num_lookahead]
         sequences: list[_Sequence] = [scheduled[i].sequence for i in picked]  # type: ignore[misc]
         limits = [  # no guess beyond what max_tokens still lets the sequence emit (a bonus token follows them)
-            min(scheduled[i].num_lookahead, s.sampling.params.max_tokens - len(s.output) - 1)
+            min(scheduled[i].num_lookahead, s.lookahead, s.sampling.params.max_tokens - len(s.output) - 1)
             for i, s in zip(picked, sequences, strict=True)
         ]
         for i, sequence, proposal in zip(picked, sequences, self.proposer.propose(sequences, limits), strict=True):
@@ -566,6 +569,7 @@ class Engine:
             )
             for i, choice, result in zip(speculated, picked, verified, strict=True):
                 choice.sequence.speculation.record(len(choice.proposal.tokens), result.accepted)
+                choice.sequence.lookahead = result.accepted + 1  # grows while guesses are kept, 1 after a miss
                 self.speculation.record(len(choice.proposal.tokens), result.accepted)
                 logprobs = result.logprobs or [None] * len(result.tokens)
                 tops = result.top_logprobs or [[]] * len(result.tokens)

@@ -278,3 +278,27 @@ def test_logprobs_of_verified_tokens_are_the_targets(tiny_llama):
             [t.logprob for t in ours.logprobs], [t.logprob for t in expected.logprobs], atol=1e-4
         )
         assert [[i for i, _ in t.top] for t in ours.logprobs] == [[i for i, _ in t.top] for t in expected.logprobs]
+
+
+def test_a_sequence_proposes_one_guess_more_than_its_last_proposal_kept(tiny_llama, plain):
+    engine = load_engine(
+        tiny_llama, max_context=CONTEXT, max_num_seqs=8, speculative=SpeculativeConfig("self", 4, layers=1)
+    )
+    seen: dict[int, tuple[int, int]] = {}  # seq_id -> (its drafts, its accepted tokens) at its previous proposal
+    checked = []
+    propose = engine.proposer.propose
+
+    def recording(sequences, limits):
+        for sequence, limit in zip(sequences, limits, strict=True):
+            drafts, accepted = sequence.speculation.drafts, sequence.speculation.accepted
+            before = seen.get(sequence.seq_id)
+            if before is not None and drafts == before[0] + 1:  # verified once since: it kept accepted - before[1]
+                checked.append(limit <= accepted - before[1] + 1)
+            seen[sequence.seq_id] = (drafts, accepted)
+        return propose(sequences, limits)
+
+    engine.proposer.propose = recording
+    results = engine.generate(_prompts(engine.spec.vocab_size), GREEDY, chat=False)
+    assert [r.token_ids for r in results] == plain
+    assert len(checked) > 20 and all(checked)
+    assert engine.stats().speculation.proposed_by_position[0] > engine.stats().speculation.proposed_by_position[-1]
