@@ -82,7 +82,7 @@ class DraftProposer:
 
     def propose(self, sequences: Sequence[Speculating], limits: Sequence[int]) -> list[Proposal]:
         proposals = [Proposal() for _ in sequences]
-        drafted = [np.empty((0, 0))] * len(sequences)
+        drawn_from: list[list[np.ndarray]] = [[] for _ in sequences]  # a sampled sequence's q for each guess
         active = [i for i, k in enumerate(limits) if k > 0]
         for j in range(max(limits, default=0)):
             active = [i for i in active if limits[i] > j]
@@ -102,10 +102,10 @@ class DraftProposer:
             for row, i in enumerate(active):
                 proposals[i].tokens.append(chosen[row])
                 if probs[row] is not None:
-                    drafted[i] = probs[row][None] if not drafted[i].size else np.vstack([drafted[i], probs[row]])
-        for i, proposal in enumerate(proposals):
-            if not sequences[i].sampling.params.greedy and proposal.tokens:
-                proposal.probs = drafted[i]
+                    drawn_from[i].append(probs[row])
+        for proposal, q in zip(proposals, drawn_from, strict=True):
+            if q:
+                proposal.probs = np.stack(q)
         return proposals
 
     def verified(self, sequence: Speculating) -> None:
@@ -140,8 +140,7 @@ class DraftProposer:
                 tokens.append(int(step.logits[row].argmax()))
                 probs.append(None)
             else:
-                weights = step.weights[step.slot[row]].astype(np.float64)
-                q = weights / weights.sum()
+                q = step.probabilities(row)
                 tokens.append(self.sampler.draw(q, state))
                 probs.append(q)
         return tokens, probs

@@ -332,6 +332,11 @@ class Processed:
         """A row's values, ordered as its final logprobs are: its weights if it draws, else its logits."""
         return self.logits[row] if self.slot[row] < 0 else self.weights[self.slot[row]]
 
+    def probabilities(self, row: int) -> np.ndarray:
+        """A drawing row's final distribution, float64 [vocab]: its weights normalised (0 outside the kept tokens)."""
+        weights = self.weights[self.slot[row]].astype(np.float64)
+        return weights / weights.sum()
+
     def logprobs(self, row: int, tokens: np.ndarray | slice = slice(None)) -> np.ndarray:
         """Final log-probabilities of a row's `tokens`: its normalised weights if it draws, else log_softmax."""
         if self.slot[row] < 0:

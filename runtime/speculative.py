@@ -191,7 +191,7 @@ def _walk(
             if target != guess:
                 return [*emitted, target], j
         else:
-            p = _normalised(step.weights[step.slot[row]])
+            p = step.probabilities(row)
             q = _point(guess, p.size) if proposal.probs is None else proposal.probs[j]
             if sampler.uniform(state) * q[guess] >= p[guess]:  # rejected: u >= p / q
                 residual = np.maximum(p - q, 0.0)
@@ -200,12 +200,7 @@ def _walk(
     row = first + len(proposal.tokens)
     if state.params.greedy:
         return [*emitted, int(scores[row].argmax())], len(emitted)
-    return [*emitted, sampler.draw(_normalised(step.weights[step.slot[row]]), state)], len(emitted)
-
-
-def _normalised(weights: np.ndarray) -> np.ndarray:
-    weights = weights.astype(np.float64)
-    return weights / weights.sum()
+    return [*emitted, sampler.draw(step.probabilities(row), state)], len(emitted)
 
 
 def _point(token: int, vocab: int) -> np.ndarray:
