@@ -119,16 +119,20 @@ def compile_artifact(
     accuracy_level: int | None = None,
     cuda_arch: str | None = None,
     cpu: str | None = None,
+    dialect: str | None = None,
+    static_dims: dict[str, int] | None = None,
     block_size: int | None = None,
     verify: bool = False,
     write_extra: Callable[[Path], None] | None = None,
     draft_layers: int | Sequence[int] | None = None,
 ) -> Path:
     """Compile MODEL into a deployable artifact directory at `output` (written atomically) with the onnx backend
-    (`accuracy_level`: MatMulNBits', default 4) or the tvm one (`cuda_arch` for cuda, e.g. sm_90; `cpu`: the
-    LLVM CPU name, default this machine's). The dtype defaults to float32 on cpu and float16 on cuda; the
-    pipeline gets the KV layout the backend runs on the target (runtime.backends). `write_extra(directory)` adds
-    files of the caller's to the artifact before it is hashed (the compile cache's key).
+    (`accuracy_level`: MatMulNBits', default 4), the tvm one (`cuda_arch` for cuda, e.g. sm_90; `cpu`: the
+    LLVM CPU name, default this machine's) or the mlir one (`dialect`: torch, linalg (default), stablehlo or tosa;
+    `static_dims`: sizes fixed in the module, e.g. {"batch": 1, "tokens": 16}, a decode step's for tosa). The
+    dtype defaults to float32 on cpu and float16 on cuda; the pipeline gets the KV layout the backend runs on the
+    target (runtime.backends). `write_extra(directory)` adds files of the caller's to the artifact before it is
+    hashed (the compile cache's key).
 
     `draft_layers` (K, or several): also compile a self-draft for speculative decoding per K, the model's first K
     decoder layers with its final norm and LM head (the draft_layers pass, first in the same pipeline, backend,
@@ -140,11 +144,18 @@ def compile_artifact(
         draft_pipeline(pipeline, k)  # a pipeline that has draft_layers already is refused before loading
     entry = get_backend(backend)
     if entry.compiler is None:
-        raise LlmlowerError(f"--backend {backend}: {entry.summary}; compile with one of onnx, tvm")
+        compilers = ", ".join(name for name, b in BACKENDS.items() if b.compiler)
+        raise LlmlowerError(f"--backend {backend}: {entry.summary}; compile with one of {compilers}")
     layout = entry.layout(target)  # before the minutes of capture and passes
     given = {
         name: value
-        for name, value in (("accuracy_level", accuracy_level), ("cuda_arch", cuda_arch), ("cpu", cpu))
+        for name, value in (
+            ("accuracy_level", accuracy_level),
+            ("cuda_arch", cuda_arch),
+            ("cpu", cpu),
+            ("dialect", dialect),
+            ("static_dims", static_dims),
+        )
         if value is not None
     }
     for name in given:

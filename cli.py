@@ -15,7 +15,7 @@ from . import progress
 from .compile_cache import RECOMMENDED_BACKEND, RECOMMENDED_QUANT, CompileRequest, load_compiled
 from .errors import LlmlowerError
 from .runtime import EngineConfig
-from .runtime.backends import BACKENDS
+from .runtime.backends import BACKENDS, runnable
 
 MODEL_HELP = "a checkpoint directory, a .gguf file, 'example' (SmolLM2-135M-Instruct) or (generate) an artifact"
 
@@ -140,6 +140,17 @@ def _compile_request(args: argparse.Namespace, backend: str) -> CompileRequest:
     speculative = _speculative(args)
     drafts = (speculative.layers,) if speculative is not None and speculative.method == "self" else ()
     return CompileRequest(pipeline, quant, backend, "cpu", args.dtype, block_size, drafts)
+
+
+def parse_dims(text: str) -> dict[str, int]:
+    """Named sizes: NAME=SIZE, comma-separated (batch=1,tokens=16)."""
+    dims = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name.strip() or not size.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected NAME=SIZE,... like batch=1,tokens=16, got {text!r}")
+        dims[name.strip()] = int(size)
+    return dims
 
 
 def parse_bytes(text: str) -> int:
@@ -324,6 +335,8 @@ def _compile(args: argparse.Namespace) -> int:
         accuracy_level=args.accuracy_level,
         cuda_arch=args.cuda_arch,
         cpu=args.cpu,
+        dialect=args.dialect,
+        static_dims=args.static_dims,
         block_size=args.block_size,
         verify=args.verify,
         draft_layers=args.draft_layers,
@@ -338,7 +351,11 @@ def _compile(args: argparse.Namespace) -> int:
         draft_size = sum(p.stat().st_size for p in draft.iterdir() if p.is_file())
         layers = f"{entry['layers']} of {manifest['spec']['num_layers']} decoder layers"
         console.print(f"self-draft: {draft} ({layers}, {draft_size / 2**20:.1f} MiB)", highlight=False)
-    console.print(f'run it:   llmlower generate {out} --prompt "Hello"', highlight=False)
+    if manifest["backend"] in runnable():
+        console.print(f'run it:   llmlower generate {out} --prompt "Hello"', highlight=False)
+    else:
+        step = manifest["entry_points"]["step"]
+        console.print(f"{step['file']}: function @{step['function']} for an MLIR compiler", highlight=False)
     return 0
 
 
@@ -467,7 +484,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     """--backend, the sampling flags (named after SamplingParams' fields), then the serving and pipeline options."""
     parser.add_argument(
         "--backend",
-        choices=list(BACKENDS),
+        choices=runnable(),
         help=f"what runs MODEL: {RECOMMENDED_BACKEND} (default) or tvm, compiled once and cached under "
         "$LLMLOWER_CACHE/artifacts (default ~/.cache/llmlower); torch, the reference (not compiled)",
     )
@@ -546,7 +563,12 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("model", help=MODEL_HELP)
     comp.add_argument("-o", "--output", required=True, help="the artifact directory to write")
     compilers = [name for name, backend in BACKENDS.items() if backend.compiler]
-    comp.add_argument("--backend", default="onnx", choices=compilers, help="onnx: ONNX Runtime; tvm: Apache TVM")
+    comp.add_argument(
+        "--backend",
+        default="onnx",
+        choices=compilers,
+        help="onnx: ONNX Runtime; tvm: Apache TVM; mlir: MLIR through torch-mlir (for other MLIR compilers)",
+    )
     comp.add_argument("--target", default="cpu", help="cpu or cuda")
     comp.add_argument(
         "--accuracy-level",
@@ -556,6 +578,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comp.add_argument("--cuda-arch", help="tvm, cuda: GPU architecture to build for (sm_80 default, sm_89, sm_90)")
     comp.add_argument("--cpu", help="tvm, cpu: LLVM CPU name to build for (default: this machine's, e.g. znver3)")
+    comp.add_argument("--dialect", help="mlir: the dialect of the module: torch, linalg (default), stablehlo, tosa")
+    comp.add_argument(
+        "--static-dims",
+        type=parse_dims,
+        metavar="NAME=SIZE,...",
+        help="mlir: fix dimensions of the step (batch, tokens, context), e.g. batch=1,tokens=16; tosa has no dynamic "
+        "sizes and fixes a decode step unless told (batch=1,tokens=1,context=the model's)",
+    )
     comp.add_argument("--block-size", type=int, help="KV block size of a paged artifact (tvm, onnx cuda; default 16)")
     comp.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
     comp.add_argument(
@@ -597,7 +627,11 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill step (default 512)")
     roof.add_argument("--batch", default="1,16", help="decode batch sizes, comma-separated (default 1,16)")
     roof.add_argument("--context", type=int, default=512, help="cache positions a decode step attends (default 512)")
-    roof.add_argument("--backend", choices=list(BACKENDS), help="where steps are timed (default onnx)")
+    roof.add_argument(
+        "--backend",
+        choices=[n for n, b in BACKENDS.items() if b.program_executor],
+        help="where steps are timed (default onnx)",
+    )
     roof.add_argument(
         "--machine", default="cpu", help="ceilings: cpu or cuda (measured here), a100, h100, h200, l4, rtx4090"
     )

@@ -1,1 +1,2 @@
-"""Backends: Program -> something that runs (torch reference today; ONNX Runtime and TVM to come)."""
+"""Backends: Program -> something that runs (the torch reference, ONNX Runtime, TVM) or that other compilers
+take (MLIR through torch-mlir); runtime.backends registers each."""

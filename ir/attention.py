@@ -24,8 +24,14 @@ def visible(keys: torch.Tensor, positions: torch.Tensor, window: int = 0) -> tor
     return allowed & (keys > positions - window) if window > 0 else allowed
 
 
-@torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
-def attention(
+def _take_tokens(x: torch.Tensor, index: torch.Tensor, context: int) -> torch.Tensor:
+    """[batch, kv_heads, context, head_dim]: token index[b * context + j] of x (its tokens flattened over rows)."""
+    batch, kv_heads, tokens, head_dim = x.shape
+    flat = x.transpose(1, 2).reshape(batch * tokens, kv_heads, head_dim)
+    return flat.index_select(0, index).reshape(batch, context, kv_heads, head_dim).transpose(1, 2)
+
+
+def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -38,22 +44,28 @@ def attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, context = q.shape[2], k_cache.shape[2]
     totals = past_lens + input_lens
-    used = int(totals.max())
-    if used > context:
-        raise ValueError(f"attention: {used} tokens do not fit a KV cache of {context} positions")
+    if not torch.compiler.is_compiling() and int(totals.max()) > context:  # eager only: a trace has no values
+        raise ValueError(f"attention: {int(totals.max())} tokens do not fit a KV cache of {context} positions")
 
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    for row, (past, count) in enumerate(zip(past_lens.tolist(), input_lens.tolist(), strict=True)):
-        k_cache[row, :, past : past + count] = k[row, :, :count]
-        v_cache[row, :, past : past + count] = v[row, :, :count]
+    # tensorised (no loop over sequences, so it traces): cache position j of sequence b takes new token
+    # j - past_lens[b] where that is one of its input_lens[b] tokens, and keeps its old value elsewhere
+    keys = torch.arange(context, device=q.device)
+    source = keys - past_lens[:, None]  # [batch, context]
+    written = ((source >= 0) & (source < input_lens[:, None]))[:, None, :, None]
+    rows = torch.arange(q.shape[0], device=q.device)[:, None] * tokens  # the new tokens of all rows, flattened:
+    index = (rows + source.clamp(0, tokens - 1)).flatten()  # a [batch * context] index (a small constant if static)
+    k_cache = torch.where(written, _take_tokens(k, index, context), k_cache)
+    v_cache = torch.where(written, _take_tokens(v, index, context), v_cache)
 
     positions = past_lens[:, None] + torch.arange(tokens, device=q.device)  # [batch, tokens]
-    keys = torch.arange(used, device=q.device)
-    allowed = visible(keys, positions[:, :, None], window) & (keys < totals[:, None, None])  # [batch, tokens, used]
+    allowed = visible(keys, positions[:, :, None], window) & (keys < totals[:, None, None])  # [batch, tokens, ctx]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k_cache[:, :, :used], v_cache[:, :, :used], attn_mask=allowed[:, None], scale=scale, enable_gqa=True
+        q, k_cache, v_cache, attn_mask=allowed[:, None], scale=scale, enable_gqa=True
     )
     return out, k_cache, v_cache
+
+
+attention = torch.library.custom_op(f"{NAMESPACE}::attention", attention_reference, mutates_args=())
 
 
 @attention.register_fake
@@ -84,5 +96,6 @@ ATTENTION = register_op(
         op=torch.ops.llmlower.attention,
         summary="causal attention over a kv-heads-only KV cache, appending this step's k/v",
         cost=attention_cost,
+        reference=attention_reference,
     )
 )

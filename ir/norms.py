@@ -13,15 +13,13 @@ import torch
 from .registry import NAMESPACE, Cost, OpDef, register_op
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm(x, weight, eps)
+rms_norm = torch.library.custom_op(f"{NAMESPACE}::rms_norm", rms_norm_reference, mutates_args=())
 
 
 @rms_norm.register_fake
@@ -29,12 +27,14 @@ def _rms_norm_fake(x, weight, eps):
     return torch.empty(torch.broadcast_shapes(x.shape, weight.shape), dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::add_rms_norm", mutates_args=())
-def add_rms_norm(
+def add_rms_norm_reference(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     total = x + residual
-    return _rms_norm(total, weight, eps), total
+    return rms_norm_reference(total, weight, eps), total
+
+
+add_rms_norm = torch.library.custom_op(f"{NAMESPACE}::add_rms_norm", add_rms_norm_reference, mutates_args=())
 
 
 @add_rms_norm.register_fake
@@ -57,12 +57,15 @@ def rms_norm_cost(rows: int, hidden: int, element_bytes: int, residual: bool = F
     )
 
 
-RMS_NORM = register_op(OpDef("rms_norm", torch.ops.llmlower.rms_norm, "RMSNorm over the last dim", rms_norm_cost))
+RMS_NORM = register_op(
+    OpDef("rms_norm", torch.ops.llmlower.rms_norm, "RMSNorm over the last dim", rms_norm_cost, rms_norm_reference)
+)
 ADD_RMS_NORM = register_op(
     OpDef(
         "add_rms_norm",
         torch.ops.llmlower.add_rms_norm,
         "residual add + RMSNorm; returns (normed, sum)",
         lambda rows, hidden, element_bytes: rms_norm_cost(rows, hidden, element_bytes, residual=True),
+        add_rms_norm_reference,
     )
 )

@@ -26,8 +26,7 @@ def split_heads(
     return tuple(part.reshape(batch, tokens, -1, head_dim).transpose(1, 2) for part in parts)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::qkv_attention", mutates_args=())
-def qkv_attention(
+def qkv_attention_reference(
     qkv: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -50,6 +49,9 @@ def qkv_attention(
         q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window
     )
     return out.transpose(1, 2).reshape(batch, tokens, -1), k_cache, v_cache
+
+
+qkv_attention = torch.library.custom_op(f"{NAMESPACE}::qkv_attention", qkv_attention_reference, mutates_args=())
 
 
 @qkv_attention.register_fake
@@ -76,5 +78,6 @@ QKV_ATTENTION = register_op(
         op=torch.ops.llmlower.qkv_attention,
         summary="rotary + attention over a fused qkv projection, kv-heads cache",
         cost=qkv_attention_cost,
+        reference=qkv_attention_reference,
     )
 )

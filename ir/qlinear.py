@@ -10,8 +10,7 @@ from .quant import dequantize
 from .registry import NAMESPACE, Cost, OpDef, register_op
 
 
-@torch.library.custom_op(f"{NAMESPACE}::qlinear", mutates_args=())
-def qlinear(
+def qlinear_reference(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
@@ -24,18 +23,23 @@ def qlinear(
     return torch.nn.functional.linear(x, weight, bias)
 
 
+qlinear = torch.library.custom_op(f"{NAMESPACE}::qlinear", qlinear_reference, mutates_args=())
+
+
 @qlinear.register_fake
 def _qlinear_fake(x, qweight, scales, zeros, bias, bits, in_features):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::qembedding", mutates_args=())
-def qembedding(
+def qembedding_reference(
     ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, dim: int
 ) -> torch.Tensor:
     flat = ids.reshape(-1)
     rows = dequantize(qweight[flat], scales[flat], zeros[flat] if zeros is not None else None, bits, dim)
     return rows.to(scales.dtype).reshape(*ids.shape, dim)
+
+
+qembedding = torch.library.custom_op(f"{NAMESPACE}::qembedding", qembedding_reference, mutates_args=())
 
 
 @qembedding.register_fake
@@ -58,7 +62,15 @@ def qembedding_cost(rows: int, dim: int, bytes_per_row: int, element_bytes: int)
     )
 
 
-QLINEAR = register_op(OpDef("qlinear", torch.ops.llmlower.qlinear, "linear over int8/int4 weights", qlinear_cost))
+QLINEAR = register_op(
+    OpDef("qlinear", torch.ops.llmlower.qlinear, "linear over int8/int4 weights", qlinear_cost, qlinear_reference)
+)
 QEMBEDDING = register_op(
-    OpDef("qembedding", torch.ops.llmlower.qembedding, "embedding lookup in an int8/int4 table", qembedding_cost)
+    OpDef(
+        "qembedding",
+        torch.ops.llmlower.qembedding,
+        "embedding lookup in an int8/int4 table",
+        qembedding_cost,
+        qembedding_reference,
+    )
 )

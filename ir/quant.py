@@ -71,8 +71,11 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of pack_nibbles: bytes -> uint8 values 0..15, twice as many along the last dim."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+    """Inverse of pack_nibbles: bytes -> uint8 values 0..15, twice as many along the last dim. Divides rather
+    than shifts: torch-mlir lowers no shift of a scalar amount to StableHLO or TOSA (the mlir backend)."""
+    wide = packed.to(torch.int32)
+    high = torch.div(wide, 16, rounding_mode="floor")
+    return torch.stack((wide - high * 16, high), dim=-1).flatten(-2).to(torch.uint8)
 
 
 def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,12 +39,16 @@ class Cost:
 
 @dataclass(frozen=True)
 class OpDef:
-    """An op of the set: `op` is the torch.library op (reference + fake implementation registered)."""
+    """An op of the set: `op` is the torch.library op (reference + fake implementation registered);
+    `reference` is that reference implementation itself when it traces to aten ops (no Python over data), so
+    backends without a lowering of their own decompose the op with it (ir.decompositions); None when it loops
+    over per-sequence lengths."""
 
     name: str
     op: torch._ops.OpOverloadPacket
     summary: str
     cost: Callable[..., Cost]
+    reference: Callable[..., Any] | None = None
 
     @property
     def overload(self) -> torch._ops.OpOverload:

@@ -12,11 +12,13 @@ import torch
 from .registry import NAMESPACE, Cost, OpDef, register_op
 
 
-@torch.library.custom_op(f"{NAMESPACE}::rope", mutates_args=())
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+rope = torch.library.custom_op(f"{NAMESPACE}::rope", rope_reference, mutates_args=())
 
 
 @rope.register_fake
@@ -29,4 +31,6 @@ def rope_cost(elements: int, element_bytes: int) -> Cost:
     return Cost(flops=3 * elements, bytes=2 * elements * element_bytes)
 
 
-ROPE = register_op(OpDef("rope", torch.ops.llmlower.rope, "rotary embedding (rotate_half layout)", rope_cost))
+ROPE = register_op(
+    OpDef("rope", torch.ops.llmlower.rope, "rotary embedding (rotate_half layout)", rope_cost, rope_reference)
+)

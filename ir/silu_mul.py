@@ -7,10 +7,12 @@ import torch
 from .registry import NAMESPACE, Cost, OpDef, register_op
 
 
-@torch.library.custom_op(f"{NAMESPACE}::silu_mul", mutates_args=())
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+silu_mul = torch.library.custom_op(f"{NAMESPACE}::silu_mul", silu_mul_reference, mutates_args=())
 
 
 @silu_mul.register_fake
@@ -24,4 +26,6 @@ def silu_mul_cost(rows: int, intermediate: int, element_bytes: int) -> Cost:
     return Cost(flops=5 * elements, bytes=3 * elements * element_bytes)
 
 
-SILU_MUL = register_op(OpDef("silu_mul", torch.ops.llmlower.silu_mul, "SwiGLU on [gate | up]", silu_mul_cost))
+SILU_MUL = register_op(
+    OpDef("silu_mul", torch.ops.llmlower.silu_mul, "SwiGLU on [gate | up]", silu_mul_cost, silu_mul_reference)
+)

@@ -1,0 +1,119 @@
+"""Run a linalg-on-tensors module on this CPU with torch-mlir's own passes and MLIR's execution engine, as
+torch-mlir's reference backend does (bufferize, loops, LLVM, JIT): scalar loops, slow, but a check that what the
+mlir backend emits computes the step, and the core of an executor to come. Needs numpy and torch-mlir only."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from ...errors import LlmlowerError
+from .context import mlir_context
+
+# torch-mlir's reference backend pipeline (torch_mlir_e2e_test/linalg_on_tensors_backends/refbackend.py): the
+# function's results come back through a callback (refback-munge-calling-conventions), one per result signature
+LOWERING = (
+    "func.func(linalg-generalize-named-ops)",
+    "func.func(linalg-fuse-elementwise-ops)",
+    "convert-shape-to-std",
+    "sparse-assembler{direct-out}",
+    "sparsification-and-bufferization",
+    "sparse-storage-specifier-to-llvm",
+    "func.func(expand-realloc)",
+    "func.func(refback-generalize-tensor-pad)",
+    "func.func(refback-generalize-tensor-concat)",
+    "func.func(tm-tensor-bufferize)",
+    "one-shot-bufferize{copy-before-write bufferize-function-boundaries "
+    "function-boundary-type-conversion=identity-layout-map}",
+    "refback-mlprogram-bufferize",
+    "func.func(buffer-deallocation-pipeline)",
+    "inline",
+    "refback-munge-calling-conventions",
+    "func.func(tm-tensor-to-loops)",
+    "func.func(refback-munge-memref-copy)",
+    "func.func(convert-linalg-to-loops)",
+    "func.func(lower-affine)",
+    "convert-scf-to-cf",
+)
+TO_LLVM = (
+    "func.func(refback-expand-ops-for-llvm)",
+    "func.func(arith-expand)",
+    "func.func(convert-math-to-llvm)",
+    "convert-math-to-libm",
+    "expand-strided-metadata",
+    "finalize-memref-to-llvm",
+    "lower-affine",
+    "convert-scf-to-cf",
+    "convert-bufferization-to-memref",
+    "finalize-memref-to-llvm",
+    "func.func(convert-arith-to-llvm)",
+    "convert-vector-to-llvm",
+    "convert-func-to-llvm",
+    "convert-cf-to-llvm",
+    "convert-complex-to-llvm",
+    "reconcile-unrealized-casts",
+)
+RETURN_PREFIX = "refbackend_consume_func_return_"
+RESULT_DTYPES = {
+    "mrf16": np.float16,
+    "mrf32": np.float32,
+    "mrf64": np.float64,
+    "mri1": np.bool_,
+    "mri8": np.int8,
+    "mri32": np.int32,
+    "mri64": np.int64,
+}
+
+
+class LinalgFunction:
+    """A function of a linalg-on-tensors module compiled for this CPU; called with numpy arrays (its arguments in
+    order), it returns its results as numpy arrays. `verify` adds MLIR's runtime checks (out-of-bounds accesses
+    abort the process with the op at fault)."""
+
+    def __init__(self, text: str, function: str = "step", opt_level: int = 2, verify: bool = False) -> None:
+        from torch_mlir import ir
+        from torch_mlir.execution_engine import ExecutionEngine
+        from torch_mlir.passmanager import PassManager
+        from torch_mlir.runtime import UnrankedMemRefDescriptor, unranked_memref_to_numpy
+
+        context = mlir_context()
+        module = ir.Module.parse(text, context)
+        passes = (*LOWERING, *(("generate-runtime-verification",) if verify else ()), *TO_LLVM)
+        try:
+            with context:
+                PassManager.parse(f"builtin.module({','.join(passes)})").run(module.operation)
+        except Exception as error:
+            raise LlmlowerError(f"the linalg module does not compile to LLVM: {error}") from None
+        self.function = function
+        self.engine = ExecutionEngine(module, opt_level=opt_level)
+        self._results: list[np.ndarray] | None = None
+        self._callbacks = []  # kept alive as long as the engine may call them
+        for op in module.body.operations:
+            name = str(op.attributes["sym_name"]).strip('"') if "sym_name" in op.attributes else ""
+            if not name.startswith(RETURN_PREFIX):
+                continue
+            kinds = name.removeprefix(RETURN_PREFIX).split("_")
+            signature = ctypes.CFUNCTYPE(None, *[ctypes.POINTER(UnrankedMemRefDescriptor)] * len(kinds))
+
+            def consume(*memrefs: Any, kinds: list[str] = kinds) -> None:
+                self._results = [
+                    unranked_memref_to_numpy(m, RESULT_DTYPES[k]).copy() for m, k in zip(memrefs, kinds, strict=True)
+                ]
+
+            callback = signature(consume)
+            self._callbacks.append(callback)
+            self.engine.register_runtime(name, callback)
+
+    def __call__(self, *arrays: np.ndarray) -> list[np.ndarray]:
+        from torch_mlir.runtime import get_unranked_memref_descriptor
+
+        contiguous = [np.ascontiguousarray(a) for a in arrays]
+        descriptors = [ctypes.pointer(ctypes.pointer(get_unranked_memref_descriptor(a))) for a in contiguous]
+        self._results = None
+        self.engine.invoke(self.function, *descriptors)
+        results, self._results = self._results, None
+        if results is None:
+            raise LlmlowerError(f"@{self.function} returned nothing")
+        return results
