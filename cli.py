@@ -15,7 +15,7 @@ from . import progress
 from .compile_cache import RECOMMENDED_BACKEND, RECOMMENDED_QUANT, CompileRequest, load_compiled
 from .errors import LlmlowerError
 from .runtime import EngineConfig
-from .runtime.backends import BACKENDS, runnable
+from .runtime.backends import BACKENDS
 
 MODEL_HELP = "a checkpoint directory, a .gguf file, 'example' (SmolLM2-135M-Instruct) or (generate) an artifact"
 
@@ -324,6 +324,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _compile(args: argparse.Namespace) -> int:
     from .api import compile_artifact
     from .runtime.artifact import read_manifest
+    from .runtime.executors.mlir import runs_here
 
     out = compile_artifact(
         args.model,
@@ -351,11 +352,11 @@ def _compile(args: argparse.Namespace) -> int:
         draft_size = sum(p.stat().st_size for p in draft.iterdir() if p.is_file())
         layers = f"{entry['layers']} of {manifest['spec']['num_layers']} decoder layers"
         console.print(f"self-draft: {draft} ({layers}, {draft_size / 2**20:.1f} MiB)", highlight=False)
-    if manifest["backend"] in runnable():
-        console.print(f'run it:   llmlower generate {out} --prompt "Hello"', highlight=False)
-    else:
+    if manifest["backend"] == "mlir" and not runs_here(manifest):
         step = manifest["entry_points"]["step"]
         console.print(f"{step['file']}: function @{step['function']} for an MLIR compiler", highlight=False)
+    else:
+        console.print(f'run it:   llmlower generate {out} --prompt "Hello"', highlight=False)
     return 0
 
 
@@ -484,9 +485,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     """--backend, the sampling flags (named after SamplingParams' fields), then the serving and pipeline options."""
     parser.add_argument(
         "--backend",
-        choices=runnable(),
-        help=f"what runs MODEL: {RECOMMENDED_BACKEND} (default) or tvm, compiled once and cached under "
-        "$LLMLOWER_CACHE/artifacts (default ~/.cache/llmlower); torch, the reference (not compiled)",
+        choices=list(BACKENDS),
+        help=f"what runs MODEL: {RECOMMENDED_BACKEND} (default), tvm or mlir (linalg, JIT-compiled: slow), compiled "
+        "once and cached under $LLMLOWER_CACHE/artifacts (default ~/.cache/llmlower); torch, the reference (not "
+        "compiled)",
     )
     group = parser.add_argument_group("sampling (see llmlower.runtime.sampling.SamplingParams)")
     for name, options in SAMPLING_FLAGS.items():
@@ -627,11 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill step (default 512)")
     roof.add_argument("--batch", default="1,16", help="decode batch sizes, comma-separated (default 1,16)")
     roof.add_argument("--context", type=int, default=512, help="cache positions a decode step attends (default 512)")
-    roof.add_argument(
-        "--backend",
-        choices=[n for n, b in BACKENDS.items() if b.program_executor],
-        help="where steps are timed (default onnx)",
-    )
+    roof.add_argument("--backend", choices=list(BACKENDS), help="where steps are timed (default onnx)")
     roof.add_argument(
         "--machine", default="cpu", help="ceilings: cpu or cuda (measured here), a100, h100, h200, l4, rtx4090"
     )

@@ -36,7 +36,16 @@ RECOMMENDED_BACKEND = "onnx"
 KEY_FILE = "cache_key.json"
 # __version__ stays the same between commits of an editable install, so the compiler's own source is hashed too
 COMPILER_SOURCES = ("api.py", "spec.py", "step_io.py", "frontend", "ir", "passes", "backends")
-TOOLKIT_PACKAGES = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "apache-tvm")
+TOOLKIT_PACKAGES = (
+    "torch",
+    "transformers",
+    "onnx",
+    "onnxscript",
+    "onnxruntime",
+    "onnxruntime-gpu",
+    "apache-tvm",
+    "torch-mlir",
+)
 
 T = TypeVar("T")
 

@@ -25,8 +25,6 @@ from .shapes import Step
 def check_backend(backend: str) -> None:
     """Fail unless `backend` is registered and its package imports in this build."""
     entry = get_backend(backend)
-    if entry.program_executor is None:
-        raise LlmlowerError(f"--backend {backend}: {entry.summary}")
     try:
         importlib.import_module(entry.program_executor.split(":")[0])
     except ImportError:

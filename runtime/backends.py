@@ -17,17 +17,16 @@ from ..step_io import KVLayout
 @dataclass(frozen=True)
 class Backend:
     """`layouts`: target -> KV layout of its programs; `executors`: KV layout -> "module:Class" under
-    llmlower.runtime.executors that runs its artifacts (none: its artifacts are for other compilers);
-    `compiler`: "module:function" writing an artifact (build(program, directory, target=..., write_extra=...,
-    **options)); `program_executor`: "module:function" making an executor straight from a Program (program,
-    max_context, num_blocks) for tests and the roofline, or None; `options` and `check`: the compile options it
-    takes and the check run on them before compiling."""
+    llmlower.runtime.executors that runs its artifacts; `compiler`: "module:function" writing an artifact
+    (build(program, directory, target=..., write_extra=..., **options)); `program_executor`: "module:function"
+    making an executor straight from a Program (program, max_context, num_blocks) for tests and the roofline;
+    `options` and `check`: the compile options it takes and the check run on them before compiling."""
 
     name: str
     layouts: dict[str, KVLayout]
     executors: dict[KVLayout, str]
     compiler: str | None
-    program_executor: str | None
+    program_executor: str
     summary: str
     options: tuple[str, ...] = ()  # the compile options (keywords of `compiler`) it takes
     check: str | None = None  # "module:function"(target, options) that refuses bad options before compiling
@@ -73,19 +72,14 @@ BACKENDS: dict[str, Backend] = {
     "mlir": Backend(
         name="mlir",
         layouts={"cpu": KVLayout.SLOTS},
-        executors={},
+        executors={KVLayout.SLOTS: "mlir:MlirLinalgExecutor"},
         compiler="llmlower.backends.mlir.artifact:build",
-        program_executor=None,
-        summary="MLIR through torch-mlir (torch, linalg, stablehlo or tosa) for other MLIR compilers; no executor",
+        program_executor="llmlower.backends.mlir.executor:program_executor",
+        summary="MLIR through torch-mlir (torch, linalg, stablehlo or tosa); linalg runs here, JIT-compiled (slow)",
         options=("dialect", "static_dims"),
         check="llmlower.backends.mlir.artifact:check_options",
     ),
 }
-
-
-def runnable() -> list[str]:
-    """The backends that run a model here: the torch reference and those with executors."""
-    return [name for name, backend in BACKENDS.items() if backend.executors or name == "torch"]
 
 
 def get_backend(name: str) -> Backend:

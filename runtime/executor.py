@@ -9,6 +9,7 @@ uses; the executor only reads and writes them.
 
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, LOGITS_INDICES, PAST_LENS, POSITION_IDS, KVLayout
+
+DEFAULT_SLOTS = 4  # a SLOTS executor's sequences when no pool size is given
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,12 @@ class Executor(ABC):
         """float32 logits [len(tokens), vocab] of every position of a fresh sequence held in the first blocks
         (for scoring text, with nothing else running); needs a program without last_token_logits."""
 
+    def slot_rows(self, block: int) -> tuple[int, slice, slice]:
+        """SLOTS layout: where a block lives in a cache [slots, kv_heads, positions, head_dim], its slot and
+        positions (for copy_blocks)."""
+        slot, index = divmod(block, self.blocks_per_slot)
+        return slot, slice(None), slice(index * self.block_size, (index + 1) * self.block_size)
+
     def check_step(self, batch: StepBatch) -> None:
         """Refuse a step beyond the context or naming blocks outside the pool, before running anything."""
         for past, tokens, table in zip(batch.past_lens, batch.tokens, batch.block_tables, strict=True):
@@ -158,6 +167,45 @@ class Executor(ABC):
                 raise GenerationError(f"step needs {total} cache positions; the executor holds {self.max_context}")
             if len(table) * self.block_size < total or min(table) < 0 or max(table) >= self.num_blocks:
                 raise GenerationError(f"block table {list(table)} does not hold {total} positions in the pool")
+
+
+class SlotExecutor(Executor):
+    """An executor of SLOTS programs whose caches are numpy arrays [slots, kv_heads, slot positions, head_dim]:
+    each layer's whole pool, `num_blocks // blocks_per_slot` slots (default DEFAULT_SLOTS)."""
+
+    kv_layout = KVLayout.SLOTS
+    caches: dict[str, np.ndarray]
+
+    def allocate_slots(
+        self, layers: dict[str, tuple[int, int, type]], max_context: int, num_blocks: int | None, block_size: int
+    ) -> None:
+        """The caches named by `layers` (name -> (kv_heads, head_dim, dtype)), in memory committed as written."""
+        self.block_size, self.max_context = block_size, max_context
+        per_slot = self.blocks_per_slot
+        self.num_blocks = num_blocks or DEFAULT_SLOTS * per_slot
+        slots = self.num_blocks // per_slot
+        if slots < 1:
+            raise GenerationError(
+                f"a KV pool of {self.num_blocks} blocks (--num-blocks, --kv-cache-memory) does not hold one sequence "
+                f"of {max_context} tokens ({per_slot} blocks of {block_size}): raise it or lower --max-context"
+            )
+        self.caches = {
+            name: lazy_zeros((slots, kv_heads, per_slot * block_size, head_dim), dtype)
+            for name, (kv_heads, head_dim, dtype) in layers.items()
+        }
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        for cache in self.caches.values():
+            for source, destination in pairs:
+                cache[self.slot_rows(destination)] = cache[self.slot_rows(source)]
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """Zeros in anonymous memory that the kernel commits 4 KB page by page as it is written. (numpy's zeros
+    ask for transparent huge pages: writing a sequence's first tokens would commit 2 MB of every cache row, the
+    whole pool for 64 slots of 2,048 positions, where this commits about what the sequences use.)"""
+    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
 
 
 def sequential_block_tables(executor: Executor, totals: Sequence[int]) -> list[list[int]]:

@@ -3,6 +3,7 @@ checkpoint directories with a small byte-level BPE tokenizer) and the real SmolL
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 import subprocess
@@ -101,6 +102,21 @@ def tiny_checkpoint_writer():
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: write_tiny_checkpoint(arch, root / arch) for arch in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def captures(tiny_checkpoints):
+    """Each tiny architecture captured once (lazily) for the session; tests run their pipelines on copies."""
+    from llmlower.frontend import capture, load
+
+    cache = {}
+
+    def captured(arch: str):
+        if arch not in cache:
+            cache[arch] = capture(load(tiny_checkpoints[arch]))
+        return copy.deepcopy(cache[arch])
+
+    return captured
 
 
 @pytest.fixture(scope="session")

@@ -115,7 +115,6 @@ CASES = [
     ("compile {C} -o {O} --backend mlir --static-dims seqs=2", 1, "--static-dims seqs=2: the step's dimensions are"),
     ("compile {C} -o {O} --backend mlir --static-dims tokens", 2, "--static-dims"),
     ("compile {C} -o {O} --backend mlir --target cuda", 1, "--target 'cuda': the mlir backend builds for cpu"),
-    ("generate {C} --prompt hi --backend mlir", 2, "--backend"),
     ("compile {C} -o {O} --quant q3", 1, "--quant 'q3'"),
     ("compile {C} -o {O} --passes nope", 1, "--passes: unknown pass 'nope'"),
     ("compile {C} -o {O} --accuracy-level 9", 2, "--accuracy-level"),

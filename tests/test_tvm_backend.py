@@ -5,7 +5,6 @@ run without torch; cuda builds carry device code for the asked arch."""
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 
@@ -18,7 +17,6 @@ from llmlower.backends.torch import TorchExecutor
 from llmlower.backends.tvm import TvmLoweringError, to_relax, tvm_target
 from llmlower.backends.tvm.executor import program_executor
 from llmlower.cli import main
-from llmlower.frontend import capture, load
 from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout
 from llmlower.runtime import StepBatch
 from llmlower.runtime.executor import copy_rounds
@@ -30,19 +28,6 @@ FORK_AT = 18  # sequence 3 starts as sequence 1's first 18 tokens: 4 shared bloc
 # sequence 1 to FORK_AT; the fork's prompt chunk with decodes; decodes of all four
 STEPS = [[5, 9, 3, 0], [1, 9, 1, 0], [1, 1, 1, 3], [1, 1, 1, 1], [1, 1, 1, 1]]
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def captures(tiny_checkpoints):
-    """Each architecture captured once (lazily); tests run their pipelines on copies."""
-    cache = {}
-
-    def captured(arch: str):
-        if arch not in cache:
-            cache[arch] = capture(load(tiny_checkpoints[arch]))
-        return copy.deepcopy(cache[arch])
-
-    return captured
 
 
 def _paged(captures, arch: str, **options):

@@ -84,12 +84,7 @@ class TorchExecutor(Executor):
                 if self.kv_layout is KVLayout.PAGED:
                     cache[destination] = cache[source]
                 else:
-                    cache[self._slot_rows(destination)] = cache[self._slot_rows(source)]
-
-    def _slot_rows(self, block: int) -> tuple[int, slice, slice]:
-        """Where a block lives in a SLOTS cache: its slot and its positions."""
-        slot, index = divmod(block, self.blocks_per_slot)
-        return slot, slice(None), slice(index * self.block_size, (index + 1) * self.block_size)
+                    cache[self.slot_rows(destination)] = cache[self.slot_rows(source)]
 
     def _run(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         """Run a step; returns the program's outputs and the step's input arrays."""

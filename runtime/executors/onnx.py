@@ -12,7 +12,6 @@ one sequence at a time: prompt chunks run one per session run.
 
 from __future__ import annotations
 
-import mmap
 import os
 import tempfile
 from collections.abc import Sequence
@@ -23,10 +22,10 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import GenerationError
-from ...step_io import LOGITS, PRESENT_PREFIX, KVLayout, cache_layer
+from ...step_io import LOGITS, PRESENT_PREFIX, cache_layer
 from ..executor import (
-    Executor,
     PaddedBatch,
+    SlotExecutor,
     StepBatch,
     pad_batch,
     sequential_block_tables,
@@ -42,15 +41,6 @@ OPTIMIZATION_LEVELS = {
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
 DEFAULT_BLOCK_SIZE = 16
-DEFAULT_SEQUENCES = 4  # slots when no pool size is given
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
-    """Zeros in anonymous memory that the kernel commits 4 KB page by page as it is written. (numpy's zeros
-    ask for transparent huge pages: writing a sequence's first tokens would commit 2 MB of every cache row, the
-    whole pool for 64 slots of 2,048 positions, where this commits about what the sequences use.)"""
-    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
 
 
 # SmolLM2 q4mix decode at batch 1 on the 2-core VM (128 greedy tokens, median of 7, the settings interleaved):
@@ -89,9 +79,7 @@ def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, arrays: dic
     return binding.get_outputs()[0].numpy()
 
 
-class OnnxSlotExecutor(Executor):
-    kv_layout = KVLayout.SLOTS
-
+class OnnxSlotExecutor(SlotExecutor):
     def __init__(
         self,
         model: bytes | str,
@@ -108,21 +96,12 @@ class OnnxSlotExecutor(Executor):
         except Exception as error:  # onnxruntime's own errors (a truncated or foreign model), as one type
             name = model if isinstance(model, str) else "the model"
             raise GenerationError(f"{name}: onnxruntime cannot load it: {error}") from None
-        self.block_size, self.max_context = block_size, max_context
-        per_slot = self.blocks_per_slot
-        self.num_blocks = num_blocks or DEFAULT_SEQUENCES * per_slot
-        slots = self.num_blocks // per_slot
-        if slots < 1:
-            raise GenerationError(
-                f"a KV pool of {self.num_blocks} blocks (--num-blocks, --kv-cache-memory) does not hold one sequence "
-                f"of {max_context} tokens ({per_slot} blocks of {block_size}): raise it or lower --max-context"
-            )
-        self.caches: dict[str, np.ndarray] = {}
-        for spec in self.session.get_inputs():
-            if cache_layer(spec.name) is not None:
-                _, kv_heads, _, head_dim = spec.shape
-                shape = (slots, kv_heads, per_slot * block_size, head_dim)
-                self.caches[spec.name] = lazy_zeros(shape, DTYPES[spec.type])
+        layers = {
+            spec.name: (spec.shape[1], spec.shape[3], DTYPES[spec.type])
+            for spec in self.session.get_inputs()
+            if cache_layer(spec.name) is not None
+        }
+        self.allocate_slots(layers, max_context, num_blocks, block_size)
         self.all_positions = self.session.get_outputs()[0].shape[1] != 1
         self.binding = self.session.io_binding()
         self.binding.bind_output(LOGITS, "cpu")  # bound first: get_outputs()[0]
@@ -166,16 +145,6 @@ class OnnxSlotExecutor(Executor):
         batch = StepBatch([tokens], [0], sequential_block_tables(self, [len(tokens)]))
         self.check_step(batch)
         return self._run(0, pad_batch(batch))[0].astype(np.float32)
-
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        for cache in self.caches.values():
-            for source, destination in pairs:
-                cache[self._rows(destination)] = cache[self._rows(source)]
-
-    def _rows(self, block: int) -> tuple[int, slice, slice]:
-        """A block's place in a cache: its slot and positions."""
-        slot, index = divmod(block, self.blocks_per_slot)
-        return slot, slice(None), slice(index * self.block_size, (index + 1) * self.block_size)
 
     def _decode(self, slots: list[int], tokens: list[int], past: list[int]) -> np.ndarray:
         """One token for each slot in one run over the slots' whole range; logits in the given order."""

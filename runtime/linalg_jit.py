@@ -1,6 +1,6 @@
-"""Run a linalg-on-tensors module on this CPU with torch-mlir's own passes and MLIR's execution engine, as
-torch-mlir's reference backend does (bufferize, loops, LLVM, JIT): scalar loops, slow, but a check that what the
-mlir backend emits computes the step, and the core of an executor to come. Needs numpy and torch-mlir only."""
+"""torch-mlir's MLIR context, and linalg-on-tensors functions compiled for this CPU with torch-mlir's own passes
+and MLIR's execution engine, as torch-mlir's reference backend does (bufferize, loops, LLVM, JIT): scalar loops,
+slow, but what the mlir backend emits, run as it is. Needs numpy and torch-mlir only (no torch)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import LlmlowerError
-from .context import mlir_context
+from ..errors import LlmlowerError
 
 # torch-mlir's reference backend pipeline (torch_mlir_e2e_test/linalg_on_tensors_backends/refbackend.py): the
 # function's results come back through a callback (refback-munge-calling-conventions), one per result signature
@@ -37,8 +36,9 @@ LOWERING = (
     "func.func(lower-affine)",
     "convert-scf-to-cf",
 )
+# refback's own pipeline starts with refback-expand-ops-for-llvm, which rewrites tanh as (e^2x - 1) / (e^2x + 1):
+# 6e-6 relative error near 0 (measured on x ~ N(0, 9)) where libm's tanhf, called here instead, gives 2e-7
 TO_LLVM = (
-    "func.func(refback-expand-ops-for-llvm)",
     "func.func(arith-expand)",
     "func.func(convert-math-to-llvm)",
     "convert-math-to-libm",
@@ -65,6 +65,18 @@ RESULT_DTYPES = {
     "mri32": np.int32,
     "mri64": np.int64,
 }
+
+
+def mlir_context() -> Any:
+    """A fresh torch_mlir.ir.Context that parses torch, linalg, stablehlo and tosa modules."""
+    from torch_mlir import ir
+    from torch_mlir._mlir_libs import _stablehlo
+    from torch_mlir.dialects import torch as torch_dialect
+
+    context = ir.Context()
+    torch_dialect.register_dialect(context)
+    _stablehlo.register_dialect(context)
+    return context
 
 
 class LinalgFunction:

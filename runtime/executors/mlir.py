@@ -1,0 +1,125 @@
+"""Executor for linalg MLIR artifacts (needs numpy, safetensors and torch-mlir only; no torch).
+
+The module is compiled for this CPU when the artifact loads, by torch-mlir's reference-backend passes and MLIR's
+execution engine (runtime.linalg_jit): scalar loops, so far slower than the other backends, but it runs exactly
+what the mlir backend emits. The step function is pure: it takes the caches and returns them updated, so a step
+gathers its sequences' slots (SLOTS layout, as the ONNX CPU executor keeps them) up to the longest sequence,
+calls the function and writes the rows back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+
+from ...errors import GenerationError
+from ...step_io import LOGITS, cache_layer
+from ..artifact import MANIFEST, ArtifactError
+from ..executor import (
+    PaddedBatch,
+    SlotExecutor,
+    StepBatch,
+    pad_batch,
+    sequential_block_tables,
+    step_arrays,
+    step_logits,
+)
+from ..linalg_jit import LinalgFunction
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def refusal(manifest: dict[str, Any]) -> str | None:
+    """Why this runtime cannot run an MLIR artifact (a module for other MLIR compilers), or None."""
+    mlir = manifest.get("mlir", {})
+    if mlir.get("dialect") != "linalg":
+        return (
+            f"a {mlir.get('dialect')!r} MLIR module is for other MLIR compilers; this runtime runs linalg modules "
+            "(compile with --dialect linalg)"
+        )
+    if mlir.get("static_dims"):
+        return (
+            f"a module with fixed sizes {mlir['static_dims']} is for other MLIR compilers; this runtime runs the "
+            "dynamic one (compile without --static-dims)"
+        )
+    return None
+
+
+def runs_here(manifest: dict[str, Any]) -> bool:
+    return refusal(manifest) is None
+
+
+class MlirLinalgExecutor(SlotExecutor):
+    """Runs a linalg module's `step` function: its arguments are the step inputs then the weights (in order)."""
+
+    def __init__(
+        self,
+        module: str,
+        inputs: Sequence[dict[str, Any]],
+        outputs: Sequence[dict[str, Any]],
+        weights: Sequence[np.ndarray],
+        max_context: int,
+        num_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        function: str = "step",
+    ) -> None:
+        self.function = LinalgFunction(module, function)
+        self.weights = [np.ascontiguousarray(w) for w in weights]
+        self.input_names = [spec["name"] for spec in inputs]
+        self.output_names = [spec["name"] for spec in outputs]
+        layers = {
+            spec["name"]: (spec["shape"][1], spec["shape"][3], np.dtype(spec["dtype"]).type)
+            for spec in inputs
+            if cache_layer(spec["name"]) is not None
+        }
+        self.allocate_slots(layers, max_context, num_blocks, block_size)
+        logits = next(spec for spec in outputs if spec["name"] == LOGITS)
+        self.all_positions = logits["shape"][1] != 1
+
+    @classmethod
+    def from_artifact(
+        cls, artifact: Path, manifest: dict[str, Any], num_blocks: int, block_size: int, max_context: int, threads: int
+    ) -> MlirLinalgExecutor:
+        """The artifact's module and weights, compiled for this CPU (a module refusal() names is refused);
+        `threads` does not apply: the compiled loops run on one."""
+        reason = refusal(manifest)
+        if reason is not None:
+            raise ArtifactError(f"{artifact / MANIFEST}: {reason}")
+        entry = manifest["entry_points"]["step"]
+        stored = safetensors.numpy.load_file(str(artifact / manifest["weights"]["file"]))
+        weights = [stored[name] for name in manifest["weights"]["order"]]
+        module = (artifact / entry["file"]).read_text(encoding="utf-8")
+        return cls(
+            module, entry["inputs"], entry["outputs"], weights, max_context, num_blocks, block_size, entry["function"]
+        )
+
+    def step(self, batch: StepBatch) -> np.ndarray:
+        self.check_step(batch)
+        padded = pad_batch(batch)
+        return step_logits(self._run(batch, padded), padded.logits_indices, self.all_positions)
+
+    def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        if not self.all_positions and len(tokens) > 1:
+            raise GenerationError("this model computes last-token logits only; compile without last_token_logits")
+        batch = StepBatch([tokens], [0], sequential_block_tables(self, [len(tokens)]))
+        self.check_step(batch)
+        return self._run(batch, pad_batch(batch))[0].astype(np.float32)
+
+    def _run(self, batch: StepBatch, padded: PaddedBatch) -> np.ndarray:
+        """Call the function on the step's slots up to the longest sequence, store the caches it returns;
+        returns its logits."""
+        slots = np.array([table[0] // self.blocks_per_slot for table in batch.block_tables])
+        if len(set(slots.tolist())) != len(slots):
+            raise GenerationError(f"slots {slots.tolist()}: a step runs each sequence once")
+        used = int((padded.past_lens + padded.input_lens).max())
+        arrays = {**step_arrays(padded), **{name: cache[slots, :, :used] for name, cache in self.caches.items()}}
+        results = dict(
+            zip(self.output_names, self.function(*[arrays[n] for n in self.input_names], *self.weights), strict=True)
+        )
+        for name, cache in self.caches.items():
+            cache[slots, :, :used] = results[name]
+        return results[LOGITS]
