@@ -54,17 +54,17 @@ CUDA_RUNTIME = "tvm_runtime_cuda"  # TVM's CUDA device API and module loader, be
 _loaded: dict[str, object] = {}  # the libraries loaded here, kept alive
 
 
-def load_cuda_runtime(artifact: Path) -> None:
-    """Register TVM's CUDA runtime if `import tvm` did not: it loads libtvm_runtime_cuda.so only beside its
-    compiler library, so a runtime-only TVM loads it here (a missing CUDA library is named, not skipped)."""
+def load_cuda_runtime() -> str | None:
+    """Register TVM's CUDA runtime if `import tvm` did not (it loads libtvm_runtime_cuda.so only beside its
+    compiler library, and ignores a failure): a runtime-only TVM loads it here. Returns why it does not load
+    (a CUDA library missing, such as the driver's libcuda.so.1), or None."""
     if tvm.get_global_func("device_api.cuda", allow_missing=True) is not None or CUDA_RUNTIME in _loaded:
-        return
+        return None
     try:
         _loaded[CUDA_RUNTIME] = load_lib_ctypes("tvm", CUDA_RUNTIME, "RTLD_LOCAL", tvm.libinfo.package_lib_paths())
     except (OSError, RuntimeError) as exc:
-        raise ArtifactError(
-            f"{artifact}: TVM's CUDA runtime (lib{CUDA_RUNTIME}.so) does not load here: {exc}"
-        ) from None
+        return f"lib{CUDA_RUNTIME}.so does not load: {exc}"
+    return None
 
 
 def check_device(artifact: Path, device: str) -> None:
@@ -73,12 +73,12 @@ def check_device(artifact: Path, device: str) -> None:
     if device not in DEVICES:
         raise ArtifactError(f"{artifact}: target {device!r}; TVM artifacts run on {', '.join(DEVICES)}")
     if device == "cuda":
-        load_cuda_runtime(artifact)
-    if device == "cuda" and not tvm.cuda(0).exist:
-        raise ArtifactError(
-            f"{artifact}: this artifact runs on CUDA, and TVM's runtime here finds no CUDA device (no NVIDIA GPU "
-            "or driver, or a TVM built without CUDA); compile it with --target cpu to run on the CPU"
-        )
+        reason = load_cuda_runtime() or "no NVIDIA GPU or driver, or a TVM built without CUDA"
+        if not tvm.cuda(0).exist:
+            raise ArtifactError(
+                f"{artifact}: this artifact runs on CUDA, and TVM's runtime here finds no CUDA device ({reason}); "
+                "compile it with --target cpu to run on the CPU"
+            )
 
 
 def use_threads(threads: int) -> None:
