@@ -175,6 +175,7 @@ def time_decode(executor: Any, batch: int, prompt: int, steps: int, vocab: int) 
     after BATCH_SECONDS): seconds per step and tokens/s."""
     from llmlower.runtime import StepBatch, sequential_block_tables
 
+    steps = min(steps, executor.max_context - prompt - WARMUP_STEPS)  # a model of fewer positions: fewer steps
     rng = np.random.default_rng(batch)
     tables = sequential_block_tables(executor, [prompt + WARMUP_STEPS + steps] * batch)
     ids = rng.integers(0, vocab, (batch, prompt)).tolist()
