@@ -24,7 +24,9 @@ from typing import Any
 from ..errors import LlmlowerError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 3  # 2: KV layouts "slots" and "paged" (continuous batching); 3: the logits_indices step input
+# 2: KV layouts "slots" and "paged" (continuous batching); 3: the logits_indices step input; 4: weights.tensors
+# lists every weight's name, shape and dtype (runtime.weights: dummy weights without the weights file)
+FORMAT_VERSION = 4
 # Files the runtime reads by name rather than through a manifest field (runtime.tokenizer.Tokenizer.from_dir):
 # tokenizer.json must be hashed; the others, when present, must be hashed too (else the artifact is refused).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -166,9 +168,10 @@ def check_manifest_paths(directory: Path, manifest: dict[str, Any]) -> dict[str,
     return files
 
 
-def read_manifest(directory: str | Path, verify: bool = True) -> dict[str, Any]:
+def read_manifest(directory: str | Path, verify: bool = True, weights: bool = True) -> dict[str, Any]:
     """The manifest of an artifact, after checking its format version, the paths it names (see
-    check_manifest_paths) and (with `verify`) every file's hash."""
+    check_manifest_paths) and (with `verify`) every file's hash. Without `weights` (dummy weights will be made
+    up instead) the weights file the manifest names is not read, so it may be absent and is not hashed."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not path.is_file():
@@ -187,7 +190,11 @@ def read_manifest(directory: str | Path, verify: bool = True) -> dict[str, Any]:
             f"{path}: format_version {version!r}; this llmlower reads version {FORMAT_VERSION} (compile it again)"
         )
     files = check_manifest_paths(directory, manifest)
+    listed = manifest.get("weights")
+    unread = {listed.get("file")} if not weights and isinstance(listed, dict) else set()
     for name, expected in files.items():
+        if name in unread:
+            continue
         file = directory / name
         if not file.is_file():
             raise ArtifactError(f"{file}: listed in {MANIFEST} but missing")
@@ -206,16 +213,17 @@ def draft_key(layers: int) -> str:
     return f"layers-{layers}"
 
 
-def draft_artifact(artifact: str | Path, layers: int, verify: bool = False) -> Path:
+def draft_artifact(artifact: str | Path, layers: int, verify: bool = False, weights: bool = True) -> Path:
     """The checked path of the self-draft with `layers` decoder layers that `compile --draft-layers` put inside
     `artifact` (an artifact of its own: the target's first layers, final norm and LM head).
 
     The target manifest's `drafts` entry must name a directory inside the artifact whose manifest.json is hashed
     in the target's files and matches the recorded manifest_sha256; the draft's own manifest must pass
     read_manifest (with `verify`, every file's hash: Engine.load checks them anyway), say `layers` layers, and
-    have the target's KV layout apart from the layer count (the runtime runs both on the same block tables)."""
+    have the target's KV layout apart from the layer count (the runtime runs both on the same block tables).
+    Without `weights` (dummy weights), neither artifact's weights file is needed."""
     directory = Path(artifact)
-    manifest = read_manifest(directory, verify=False)
+    manifest = read_manifest(directory, verify=False, weights=weights)
     where = f"{directory / MANIFEST}: drafts"
     drafts = manifest.get("drafts", {})
     if not isinstance(drafts, dict):
@@ -243,7 +251,7 @@ def draft_artifact(artifact: str | Path, layers: int, verify: bool = False) -> P
         raise ArtifactError(f"{draft / MANIFEST}: listed in {directory / MANIFEST} but missing")
     if sha256(draft / MANIFEST) != recorded:
         raise ArtifactError(f"{draft / MANIFEST}: sha256 does not match {directory / MANIFEST} (changed or corrupted)")
-    own = read_manifest(draft, verify=verify)
+    own = read_manifest(draft, verify=verify, weights=weights)
     if (own.get("spec") or {}).get("num_layers") != layers:
         raise ArtifactError(f"{draft / MANIFEST}: spec.num_layers is not {layers}, as {key} says")
     target_kv, draft_kv = manifest.get("kv_layout") or {}, own.get("kv_layout") or {}

@@ -38,6 +38,7 @@ from .scheduler import Sequence as SchedulerSequence
 from .speculative import Proposal, SpeculationStats, SpeculativeConfig, verify
 from .structured import Constraint, GrammarCompiler
 from .tokenizer import Message, Tokenizer
+from .weights import WeightSource
 
 Prompt = str | list[Message]
 
@@ -225,13 +226,22 @@ class Engine:
 
     @classmethod
     def load(
-        cls, artifact: str | Path, config: EngineConfig | None = None, threads: int = 0, **limits: int | bool | None
+        cls,
+        artifact: str | Path,
+        config: EngineConfig | None = None,
+        threads: int = 0,
+        weights: str = "auto",
+        weights_seed: int = 0,
+        **limits: int | bool | None,
     ) -> Engine:
         """An Engine on a compiled artifact; needs only numpy, tokenizers, jinja2 and the backend's runtime.
-        `config` or EngineConfig's fields as keywords (max_num_seqs=4, max_context=512, ...) set its limits."""
+        `config` or EngineConfig's fields as keywords (max_num_seqs=4, max_context=512, ...) set its limits.
+        `weights`: "auto" reads the artifact's weights file; "random" makes up every weight the manifest lists
+        from `weights_seed` instead (dummy weights, for speed runs where the weights file is absent)."""
+        source = WeightSource(weights, weights_seed)
         config = config or EngineConfig(**limits)
         artifact = Path(artifact)
-        manifest = read_manifest(artifact)
+        manifest = read_manifest(artifact, weights=not source.random)
         spec = ModelSpec.from_dict(manifest["spec"])
         context = min(config.max_context or spec.max_positions, spec.max_positions)
         compiled_block_size = manifest["kv_layout"].get("block_size")
@@ -249,17 +259,21 @@ class Engine:
             config.kv_cache_memory,
             on_host=manifest["target"] == "cpu",
         )
-        executor = load_executor(artifact, manifest, num_blocks, block_size, context, threads)
+        executor = load_executor(artifact, manifest, num_blocks, block_size, context, threads, source)
         tokenizer = Tokenizer.from_dir(artifact)
         draft = None
         speculative = config.speculative
         if speculative is not None and speculative.method != "ngram":
-            path = speculative.draft if speculative.method == "draft" else draft_artifact(artifact, speculative.layers)
-            draft_manifest = read_manifest(path)
+            path = (
+                speculative.draft
+                if speculative.method == "draft"
+                else draft_artifact(artifact, speculative.layers, weights=not source.random)
+            )
+            draft_manifest = read_manifest(path, weights=not source.random)
             same_logits = ModelSpec.from_dict(draft_manifest["spec"]).vocab_size == spec.vocab_size
             if not same_logits or Tokenizer.from_dir(path).vocabulary() != tokenizer.vocabulary():
                 raise GenerationError(f"draft model {path}: its tokenizer or vocabulary differs from {artifact}'s")
-            draft = load_executor(path, draft_manifest, num_blocks, block_size, context, threads)
+            draft = load_executor(path, draft_manifest, num_blocks, block_size, context, threads, source)
         return cls(executor, tokenizer, spec, config=config, draft=draft)
 
     # ---------------------------------------------------------------- requests

@@ -63,7 +63,7 @@ class Tokenizer:
         directory = Path(directory)
         error: type[LlmlowerError] = CheckpointError
         if is_artifact(directory):
-            read_manifest(directory, verify=False)  # refuses tokenizer files the manifest does not list
+            read_manifest(directory, verify=False, weights=False)  # refuses tokenizer files it does not list
             error = ArtifactError
         config_path = directory / "tokenizer_config.json"
         config = _read_json(config_path, error) if config_path.is_file() else {}

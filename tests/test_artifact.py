@@ -204,7 +204,7 @@ def test_every_file_field_is_checked(tmp_path):
 
     manifest = {
         "entry_points": {"step": {"file": "model.so"}, "copy_blocks": {"file": "copy_blocks.onnx"}},
-        "weights": {"file": "weights.safetensors", "order": []},
+        "weights": {"file": "weights.safetensors", "tensors": []},
         "tvm": {"device_code": {"file": "model.fatbin"}},
         "files": {"file": "x"},  # names, not fields
     }

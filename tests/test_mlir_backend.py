@@ -165,7 +165,9 @@ def test_an_artifact_holds_the_module_weights_tokenizer_and_manifest(tiny_llama,
     assert [t["name"] for t in step["inputs"]][:4] == ["input_ids", "position_ids", "past_lens", "input_lens"]
     assert step["inputs"][0]["shape"] == ["batch", "tokens"]
     weights = safetensors.torch.load_file(str(out / WEIGHTS))
-    assert sorted(weights) == sorted(manifest["weights"]["order"])  # the arguments' order is the manifest's
+    listed = manifest["weights"]["tensors"]  # the arguments after the inputs, in this order
+    assert sorted(t["name"] for t in listed) == sorted(weights)
+    assert all(list(weights[t["name"]].shape) == t["shape"] for t in listed)
     assert "model.model.embed_tokens.weight" in weights
     assert {MODULE, WEIGHTS, "tokenizer.json", "tokenizer_config.json"} <= set(manifest["files"])
     assert "@step(" in (out / MODULE).read_text()

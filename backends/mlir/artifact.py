@@ -1,5 +1,6 @@
 """Build an MLIR artifact: the step function in one dialect (model.mlir, no weights inside), its weights apart
-(weights.safetensors, the function's arguments after the step inputs, in manifest order) and manifest.json."""
+(weights.safetensors, the function's arguments after the step inputs, in the order of the manifest's
+weights.tensors) and manifest.json."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ...errors import LlmlowerError
 from ...ir.program import Program
 from ...progress import stage
 from ...runtime.artifact import write_artifact
+from ...runtime.weights import tensor_spec
 from ...step_io import KVLayout
 from ..manifest import kv_layout_manifest, program_manifest
 from .export import (
@@ -97,11 +99,12 @@ def build(
             FUNCTION: {
                 "file": MODULE,
                 "function": FUNCTION,
-                "inputs": [t.to_dict() for t in module.inputs],  # then the weights, in weights.order
+                "inputs": [t.to_dict() for t in module.inputs],  # then the weights, as weights.tensors lists them
                 "outputs": [t.to_dict() for t in module.outputs],
             }
         },
-        "weights": {"file": WEIGHTS, "order": list(weights), "arguments": "after the inputs"},
+        # the function's arguments after the step inputs, in this order
+        "weights": {"file": WEIGHTS, "tensors": [tensor_spec(name, w.numpy()) for name, w in weights.items()]},
         **(manifest_extra or {}),
     }
     return write_artifact(directory, write, manifest)

@@ -8,12 +8,14 @@ from typing import Any
 
 import onnx
 from onnx import TensorProto
+from onnx.external_data_helper import convert_model_to_external_data, uses_external_data
 
 from ...errors import LlmlowerError
 from ...ir.program import Program
 from ...progress import stage
 from ...runtime.artifact import write_artifact
 from ...runtime.executors.onnx_paged import COPY_BLOCKS_FILE
+from ...runtime.weights import TensorSpec
 from ...step_io import KVLayout
 from ..manifest import kv_layout_manifest, program_manifest
 from .copy_blocks import copy_blocks_model
@@ -26,6 +28,15 @@ PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", 
 def check_target(target: str) -> None:
     if target not in PROVIDERS:
         raise LlmlowerError(f"--target {target!r}: the onnx backend builds for {', '.join(PROVIDERS)}")
+
+
+def external_weights(model: onnx.ModelProto) -> list[dict[str, Any]]:
+    """The manifest entries of the initializers stored in the weights file (small ones stay in model.onnx)."""
+    return [
+        TensorSpec(t.name, tuple(t.dims), onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).to_dict()
+        for t in model.graph.initializer
+        if uses_external_data(t)
+    ]
 
 
 def build(
@@ -42,6 +53,7 @@ def build(
         raise LlmlowerError("the onnx backend needs a program with a KV cache (the kv_cache pass)")
     with stage("lower to ONNX (torch.onnx.export)"):
         model = to_onnx(program, accuracy_level=accuracy_level)
+    convert_model_to_external_data(model, location=WEIGHTS_FILE)  # onnx.save below writes them to WEIGHTS_FILE
     entry_points = {
         "step": {
             "file": MODEL_FILE,
@@ -56,7 +68,7 @@ def build(
 
     def write(staging: Path) -> None:
         with stage("write model.onnx and its weights"):
-            onnx.save(model, staging / MODEL_FILE, save_as_external_data=True, location=WEIGHTS_FILE)
+            onnx.save(model, staging / MODEL_FILE)
             if copier is not None:
                 onnx.save(copier, staging / COPY_BLOCKS_FILE)
         if write_extra is not None:
@@ -68,6 +80,7 @@ def build(
         "kv_layout": kv_layout_manifest(program),
         "entry_points": entry_points,
         "onnx": {"ir_version": model.ir_version, "accuracy_level": accuracy_level},
+        "weights": {"file": WEIGHTS_FILE, "tensors": external_weights(model)},
         **(manifest_extra or {}),
     }
     return write_artifact(directory, write, manifest)

@@ -14,6 +14,7 @@ from ...errors import LlmlowerError
 from ...ir.program import Program
 from ...progress import stage
 from ...runtime.artifact import write_artifact
+from ...runtime.weights import tensor_spec
 from ...step_io import LOGITS, KVLayout, pool_names
 from ..manifest import kv_layout_manifest, program_manifest
 from .compile import compile_module, cpu_manifest, cuda_binary, tvm_target
@@ -71,7 +72,7 @@ def build(
             STEP: {"file": LIBRARY, "function": STEP, "inputs": inputs, "outputs": [logits]},
             COPY_BLOCKS: {"file": LIBRARY, "function": COPY_BLOCKS, "inputs": pools + indices, "outputs": pools},
         },
-        "weights": {"file": WEIGHTS, "order": list(model.params)},
+        "weights": {"file": WEIGHTS, "tensors": [tensor_spec(name, array) for name, array in model.params.items()]},
         **(manifest_extra or {}),
     }
     if device_code is not None:

@@ -12,6 +12,7 @@ from ...step_io import KVLayout
 from ..artifact import MANIFEST, ArtifactError
 from ..backends import BACKENDS, load_symbol
 from ..executor import Executor
+from ..weights import ARTIFACT_WEIGHTS, WeightSource
 
 
 def load_executor(
@@ -21,11 +22,12 @@ def load_executor(
     block_size: int,
     max_context: int,
     threads: int = 0,
+    weights: WeightSource = ARTIFACT_WEIGHTS,
 ) -> Executor:
-    """The executor of the artifact's backend and KV layout, loaded from the artifact's files, with a KV pool
-    of num_blocks blocks of block_size positions and sequences of up to max_context tokens; `threads` intra-op
-    threads (0: the backend's default, one per core; more than this machine's CPUs is refused: each thread
-    is created, and thousands of them exhaust memory)."""
+    """The executor of the artifact's backend and KV layout, loaded from the artifact's files (its weights from
+    `weights`), with a KV pool of num_blocks blocks of block_size positions and sequences of up to max_context
+    tokens; `threads` intra-op threads (0: the backend's default, one per core; more than this machine's CPUs
+    is refused: each thread is created, and thousands of them exhaust memory)."""
     cpus = os.cpu_count() or 1
     if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= cpus:
         raise ArgumentError(f"--threads {threads!r}: expected 0 (one per core) to {cpus} (this machine's CPUs)")
@@ -38,4 +40,4 @@ def load_executor(
             f"{artifact / MANIFEST}: backend {manifest.get('backend')!r} with KV layout {layout!r} has no executor here"
         ) from None
     executor_class = load_symbol(reference, __name__)
-    return executor_class.from_artifact(artifact, manifest, num_blocks, block_size, max_context, threads)
+    return executor_class.from_artifact(artifact, manifest, num_blocks, block_size, max_context, threads, weights)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import safetensors.numpy
 
 from ...errors import GenerationError
 from ...step_io import LOGITS, cache_layer
@@ -29,6 +28,7 @@ from ..executor import (
     step_logits,
 )
 from ..linalg_jit import LinalgFunction
+from ..weights import ARTIFACT_WEIGHTS, WeightSource
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -82,19 +82,25 @@ class MlirLinalgExecutor(SlotExecutor):
 
     @classmethod
     def from_artifact(
-        cls, artifact: Path, manifest: dict[str, Any], num_blocks: int, block_size: int, max_context: int, threads: int
+        cls,
+        artifact: Path,
+        manifest: dict[str, Any],
+        num_blocks: int,
+        block_size: int,
+        max_context: int,
+        threads: int,
+        weights: WeightSource = ARTIFACT_WEIGHTS,
     ) -> MlirLinalgExecutor:
-        """The artifact's module and weights, compiled for this CPU (a module refusal() names is refused);
-        `threads` does not apply: the compiled loops run on one."""
+        """The artifact's module compiled for this CPU (a module refusal() names is refused) with its weights
+        (or made-up ones); `threads` does not apply: the compiled loops run on one."""
         reason = refusal(manifest)
         if reason is not None:
             raise ArtifactError(f"{artifact / MANIFEST}: {reason}")
         entry = manifest["entry_points"]["step"]
-        stored = safetensors.numpy.load_file(str(artifact / manifest["weights"]["file"]))
-        weights = [stored[name] for name in manifest["weights"]["order"]]
+        arrays = list(weights.arrays(artifact, manifest).values())
         module = (artifact / entry["file"]).read_text(encoding="utf-8")
         return cls(
-            module, entry["inputs"], entry["outputs"], weights, max_context, num_blocks, block_size, entry["function"]
+            module, entry["inputs"], entry["outputs"], arrays, max_context, num_blocks, block_size, entry["function"]
         )
 
     def step(self, batch: StepBatch) -> np.ndarray:

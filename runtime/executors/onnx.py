@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from ..executor import (
     step_arrays,
     step_logits,
 )
+from ..weights import ARTIFACT_WEIGHTS, WeightSource
 
 DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 OPTIMIZATION_LEVELS = {
@@ -67,6 +68,18 @@ def session_options(threads: int = 0, optimization: str = "all", profile: bool =
     return options
 
 
+def external_initializers(
+    options: ort.SessionOptions, initializers: Mapping[str, np.ndarray] | None
+) -> list[ort.OrtValue]:
+    """Have a session take these values for the model's external initializers instead of reading its weights
+    file (dummy weights: runtime.weights); returns the OrtValues, which must outlive the session."""
+    if not initializers:
+        return []
+    values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)) for a in initializers.values()]
+    options.add_external_initializers(list(initializers), values)
+    return values
+
+
 def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, arrays: dict[str, np.ndarray]) -> np.ndarray:
     """Bind the step's small inputs from the host (those the model takes), run with the caches bound already,
     and return the logits (bound first as the binding's output 0, a fresh array each run)."""
@@ -89,8 +102,11 @@ class OnnxSlotExecutor(SlotExecutor):
         threads: int = 0,
         optimization: str = "all",
         profile: bool = False,
+        initializers: Mapping[str, np.ndarray] | None = None,
     ) -> None:
+        """`initializers`: values for the model's external initializers, instead of its weights file."""
         options = session_options(threads, optimization, profile)
+        self._initializers = external_initializers(options, initializers)
         try:
             self.session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         except Exception as error:  # onnxruntime's own errors (a truncated or foreign model), as one type
@@ -109,12 +125,20 @@ class OnnxSlotExecutor(SlotExecutor):
 
     @classmethod
     def from_artifact(
-        cls, artifact: Path, manifest: dict[str, Any], num_blocks: int, block_size: int, max_context: int, threads: int
+        cls,
+        artifact: Path,
+        manifest: dict[str, Any],
+        num_blocks: int,
+        block_size: int,
+        max_context: int,
+        threads: int,
+        weights: WeightSource = ARTIFACT_WEIGHTS,
     ) -> OnnxSlotExecutor:
         if manifest["target"] != "cpu":
             raise GenerationError(f"{artifact}: a per-sequence-cache ONNX artifact runs on the CPU EP only")
         model = str(artifact / manifest["entry_points"]["step"]["file"])
-        return cls(model, max_context, num_blocks, block_size, threads=threads)
+        initializers = weights.arrays(artifact, manifest) if weights.random else None
+        return cls(model, max_context, num_blocks, block_size, threads=threads, initializers=initializers)
 
     def step(self, batch: StepBatch) -> np.ndarray:
         self.check_step(batch)

@@ -18,7 +18,7 @@ and PagedAttention has no CPU kernel: the executor checks which EP a session rea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,8 @@ from ..executor import (
     step_arrays,
     step_logits,
 )
-from .onnx import run_bound, session_options
+from ..weights import ARTIFACT_WEIGHTS, WeightSource
+from .onnx import external_initializers, run_bound, session_options
 
 CUDA = "CUDAExecutionProvider"
 DEFAULT_SEQUENCES = 4  # KV room when no pool size is given: this many sequences of max_context
@@ -107,13 +108,17 @@ class OnnxPagedExecutor(Executor):
         threads: int = 0,
         optimization: str = "all",
         device_id: int = 0,
+        initializers: Mapping[str, np.ndarray] | None = None,
     ) -> None:
+        """`initializers`: values for the model's external initializers, instead of its weights file."""
         provider = (CUDA, {"device_id": device_id})
         copier = copy_session(copy_model, provider)  # a small model first: does the CUDA EP really start?
         if CUDA not in copier.get_providers():  # onnxruntime fell back to the CPU, which has no PagedAttention
             raise cuda_unavailable()
+        options = session_options(threads, optimization)
+        self._initializers = external_initializers(options, initializers)
         try:
-            self.session = ort.InferenceSession(model, session_options(threads, optimization), providers=[provider])
+            self.session = ort.InferenceSession(model, options, providers=[provider])
         except Exception as exc:  # onnxruntime's own errors (a missing kernel, a bad model), as one type
             raise GenerationError(f"onnxruntime could not load the model on {CUDA}: {exc}") from None
         pools = [spec for spec in self.session.get_inputs() if cache_layer(spec.name) is not None]
@@ -138,7 +143,14 @@ class OnnxPagedExecutor(Executor):
 
     @classmethod
     def from_artifact(
-        cls, artifact: Path, manifest: dict[str, Any], num_blocks: int, block_size: int, max_context: int, threads: int
+        cls,
+        artifact: Path,
+        manifest: dict[str, Any],
+        num_blocks: int,
+        block_size: int,
+        max_context: int,
+        threads: int,
+        weights: WeightSource = ARTIFACT_WEIGHTS,
     ) -> OnnxPagedExecutor:
         layout = manifest.get("kv_layout", {})
         if manifest.get("target") != "cuda" or layout.get("kind") != KVLayout.PAGED.value:
@@ -148,8 +160,9 @@ class OnnxPagedExecutor(Executor):
         context = min(max_context, manifest.get("spec", {}).get("max_positions", max_context))  # the rotary rows
         entry_points = manifest["entry_points"]
         model, copy_model = (str(artifact / entry_points[name]["file"]) for name in ("step", "copy_blocks"))
+        initializers = weights.arrays(artifact, manifest) if weights.random else None
         try:
-            return cls(model, copy_model, context, num_blocks, block_size, threads=threads)
+            return cls(model, copy_model, context, num_blocks, block_size, threads=threads, initializers=initializers)
         except GenerationError as exc:
             raise GenerationError(f"{artifact}: {exc}") from None
 

@@ -1,5 +1,5 @@
 """Executor on the TVM Relax VM: runs a library compiled by llmlower's TVM backend (needs numpy, safetensors
-and TVM's runtime).
+and TVM's runtime); its weights come from the artifact's weights file or are made up (runtime.weights).
 
 The KV cache is one pair of block pools per layer, [num_blocks, block_size, kv_heads, head_dim] tensors on the
 VM's device, allocated here (zeros) and owned by the executor; the runtime's block tables are the only record of
@@ -11,6 +11,9 @@ Before an artifact's library is loaded, `from_artifact` checks that this machine
 needs a CUDA device TVM's runtime can open (no silent CPU run), and the CPU code's ISA features the manifest
 records (avx2, avx512f, ...: backends.tvm.compile.cpu_manifest) must all be in this CPU's (/proc/cpuinfo),
 else the artifact is refused naming the missing ones, instead of the first kernel dying with SIGILL.
+
+Only TVM's runtime is used (tvm.runtime, its VM and libtvm_runtime*.so): an artifact also runs on a host whose
+TVM is the runtime alone, without the compiler library (libtvm_compiler.so, most of the wheel's size).
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import safetensors.numpy
 import tvm
 import tvm_ffi
-from tvm import relax
+from tvm.runtime.vm import VirtualMachine
+from tvm_ffi.libinfo import load_lib_ctypes
 
 from ...errors import GenerationError
 from ...step_io import KVLayout, pool_names
@@ -42,10 +45,26 @@ from ..executor import (
     step_arrays,
     step_logits,
 )
+from ..weights import ARTIFACT_WEIGHTS, WeightSource
 
 STEP, COPY_BLOCKS = "step", "copy_blocks"
 DEVICES = {"cpu": tvm.cpu, "cuda": tvm.cuda}
 SHARE_ALL_CORES = -3  # TVM's kSpecifyThreadShareAllCore: the threads may run on any of the named CPUs
+CUDA_RUNTIME = "tvm_runtime_cuda"  # TVM's CUDA device API and module loader, beside libtvm_runtime.so
+_loaded: dict[str, object] = {}  # the libraries loaded here, kept alive
+
+
+def load_cuda_runtime() -> str | None:
+    """Register TVM's CUDA runtime if `import tvm` did not (it loads libtvm_runtime_cuda.so only beside its
+    compiler library, and ignores a failure): a runtime-only TVM loads it here. Returns why it does not load
+    (a CUDA library missing, such as the driver's libcuda.so.1), or None."""
+    if tvm.get_global_func("device_api.cuda", allow_missing=True) is not None or CUDA_RUNTIME in _loaded:
+        return None
+    try:
+        _loaded[CUDA_RUNTIME] = load_lib_ctypes("tvm", CUDA_RUNTIME, "RTLD_LOCAL", tvm.libinfo.package_lib_paths())
+    except (OSError, RuntimeError) as exc:
+        return f"lib{CUDA_RUNTIME}.so does not load: {exc}"
+    return None
 
 
 def check_device(artifact: Path, device: str) -> None:
@@ -53,11 +72,13 @@ def check_device(artifact: Path, device: str) -> None:
     the CPU."""
     if device not in DEVICES:
         raise ArtifactError(f"{artifact}: target {device!r}; TVM artifacts run on {', '.join(DEVICES)}")
-    if device == "cuda" and not tvm.cuda(0).exist:
-        raise ArtifactError(
-            f"{artifact}: this artifact runs on CUDA, and TVM's runtime here finds no CUDA device (no NVIDIA GPU "
-            "or driver, or a TVM built without CUDA); compile it with --target cpu to run on the CPU"
-        )
+    if device == "cuda":
+        reason = load_cuda_runtime() or "no NVIDIA GPU or driver, or a TVM built without CUDA"
+        if not tvm.cuda(0).exist:
+            raise ArtifactError(
+                f"{artifact}: this artifact runs on CUDA, and TVM's runtime here finds no CUDA device ({reason}); "
+                "compile it with --target cpu to run on the CPU"
+            )
 
 
 def use_threads(threads: int) -> None:
@@ -110,7 +131,7 @@ class TvmExecutor(Executor):
         self.block_size, self.num_blocks, self.max_context = block_size, num_blocks, max_context
         self.all_positions = all_positions
         self.device = DEVICES[device](0)
-        self.vm = relax.VirtualMachine(tvm.runtime.load_module(library), self.device)
+        self.vm = VirtualMachine(tvm.runtime.load_module(library), self.device)
         self._step, self._copy_blocks = self.vm[STEP], self.vm[COPY_BLOCKS]
         self.params = [tvm.runtime.tensor(w, self.device) for w in weights.values()]
         self.inputs = list(inputs)
@@ -133,6 +154,7 @@ class TvmExecutor(Executor):
         block_size: int,
         max_context: int,
         threads: int = 0,
+        weights: WeightSource = ARTIFACT_WEIGHTS,
     ) -> TvmExecutor:
         check_device(artifact, manifest["target"])  # before any of its files is loaded
         check_host_cpu(artifact, manifest.get("tvm", {}))
@@ -145,11 +167,10 @@ class TvmExecutor(Executor):
         device_code = manifest["tvm"].get("device_code")
         if device_code is not None:
             use_prebuilt_kernels((artifact / device_code["file"]).read_bytes(), device_code["source_sha256"])
-        weights = safetensors.numpy.load_file(str(artifact / manifest["weights"]["file"]))
         step = manifest["entry_points"][STEP]
         return cls(
             str(artifact / step["file"]),
-            {name: weights[name] for name in manifest["weights"]["order"]},
+            weights.arrays(artifact, manifest),
             [t["name"] for t in step["inputs"]],
             layers=layout["layers"],
             kv_heads=layout["kv_heads"],
