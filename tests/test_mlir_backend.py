@@ -40,8 +40,11 @@ CASES = [
     ("llama", "q4g32"),
     ("llama", "q4g64-zp4"),  # packed zero points; weight names with a dash
     ("qwen2", "none"),
+    ("qwen2", "q8"),
     ("gemma", "none"),
+    ("gemma", "q8"),
     ("gpt2", "none"),
+    ("gpt2", "q8"),
 ]
 DIALECTS = ("torch", "linalg", "stablehlo", "tosa")
 MAX_CONTEXT = 32
