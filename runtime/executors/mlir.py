@@ -50,6 +50,7 @@ def refusal(manifest: dict[str, Any]) -> str | None:
 
 
 def runs_here(manifest: dict[str, Any]) -> bool:
+    """Whether Engine.load runs this MLIR artifact (the CLI says so after compiling)."""
     return refusal(manifest) is None
 
 
