@@ -68,8 +68,7 @@ class MlirLinalgExecutor(SlotExecutor):
         block_size: int = DEFAULT_BLOCK_SIZE,
         function: str = "step",
     ) -> None:
-        self.function = LinalgFunction(module, function)
-        self.weights = [np.ascontiguousarray(w) for w in weights]
+        self.function = LinalgFunction(module, function, bound=weights)
         self.input_names = [spec["name"] for spec in inputs]
         self.output_names = [spec["name"] for spec in outputs]
         layers = {
@@ -124,9 +123,7 @@ class MlirLinalgExecutor(SlotExecutor):
             raise GenerationError(f"slots {slots.tolist()}: a step runs each sequence once")
         used = int((padded.past_lens + padded.input_lens).max())
         arrays = {**step_arrays(padded), **{name: cache[slots, :, :used] for name, cache in self.caches.items()}}
-        results = dict(
-            zip(self.output_names, self.function(*[arrays[n] for n in self.input_names], *self.weights), strict=True)
-        )
+        results = dict(zip(self.output_names, self.function(*[arrays[n] for n in self.input_names]), strict=True))
         for name, cache in self.caches.items():
             cache[slots, :, :used] = results[name]
         return results[LOGITS]
