@@ -7,22 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx
 
-from .registry import OPS, OpDef, op_of
+from .registry import OPS
 
 
 def decomposition_table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
     """Op overload -> its reference implementation, for every op of the set whose reference traces; for
     `ExportedProgram.run_decompositions` (an op's reference calling another op of the set decomposes that one too)."""
     return {opdef.overload: opdef.reference for opdef in OPS.values() if opdef.reference is not None}
-
-
-def undecomposable(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, OpDef]]:
-    """The nodes of `graph` calling an op of the set that has no decomposition (its reference does not trace)."""
-    found = []
-    for node in graph.nodes:
-        opdef = op_of(node.target) if node.op == "call_function" else None
-        if opdef is not None and opdef.reference is None:
-            found.append((node, opdef))
-    return found
