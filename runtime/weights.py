@@ -85,6 +85,11 @@ class WeightSource:
                 raise ArtifactError(f"{path}: weight {spec.name!r} is {found}; {MANIFEST} lists {spec.to_dict()}")
         return {spec.name: stored[spec.name] for spec in specs}
 
+    def made_up(self, artifact: Path, manifest: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
+        """The made-up weights, for a backend that reads the weights file itself (ONNX Runtime's external data)
+        and takes these in its place; None when the file is to be read."""
+        return self.arrays(artifact, manifest) if self.random else None
+
 
 ARTIFACT_WEIGHTS = WeightSource()  # the default: the artifact's own weights file
 

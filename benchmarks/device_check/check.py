@@ -39,17 +39,12 @@ def say(message: str) -> None:
 def versions() -> dict[str, str | None]:
     """Versions of the packages the runtime and the check use (None: not installed)."""
     found: dict[str, str | None] = {}
-    for name in ("numpy", "tokenizers", "safetensors", "jinja2", "ml_dtypes", "onnx", "onnxruntime", "torch"):
+    packages = ("numpy", "tokenizers", "safetensors", "jinja2", "ml_dtypes", "onnx", "onnxruntime", "torch")
+    for name in (*packages, "transformers"):
         try:
             found[name] = importlib.import_module(name).__version__
         except ImportError:
             found[name] = None
-    try:
-        import transformers
-
-        found["transformers"] = transformers.__version__
-    except ImportError:
-        found["transformers"] = None
     return found
 
 
@@ -59,6 +54,12 @@ def onnx_cuda() -> tuple[bool, list[str]]:
 
     providers = onnxruntime.get_available_providers()
     return CUDA_EP in providers, providers
+
+
+def no_cuda_ep() -> str | None:
+    """Why ONNX CUDA artifacts are skipped here (onnxruntime offers no CUDA EP), or None."""
+    has_cuda_ep, providers = onnx_cuda()
+    return None if has_cuda_ep else f"onnxruntime offers {', '.join(providers)}: no CUDA EP"
 
 
 def phase_env(bundle: Path, plan: dict[str, Any]) -> dict[str, Any]:
@@ -130,14 +131,14 @@ def phase_agree(bundle: Path, plan: dict[str, Any]) -> dict[str, Any]:
     from llmlower.runtime import Engine
 
     models = bundle / "models"
-    has_cuda_ep, providers = onnx_cuda()
+    skip_onnx = no_cuda_ep()
     reference: list[list[int]] | None = None
     result: dict[str, Any] = {"pairs": {}}
     for cuda_name, cpu_name in plan["agreement"]["pairs"]:
         key = f"{cuda_name} vs {cpu_name}"
-        if "onnx" in cuda_name and not has_cuda_ep:
-            result["pairs"][key] = {"skipped": f"onnxruntime here offers {', '.join(providers)}: no CUDA EP"}
-            say(f"{key}: skipped (onnxruntime has no CUDA EP: {', '.join(providers)})")
+        if "onnx" in cuda_name and skip_onnx:
+            result["pairs"][key] = {"skipped": skip_onnx}
+            say(f"{key}: skipped ({skip_onnx})")
             continue
         try:
             cuda = Engine.load(models / cuda_name, max_num_seqs=len(PROMPTS), max_context=128)
@@ -205,11 +206,10 @@ def phase_speed(bundle: Path, plan: dict[str, Any], name: str) -> dict[str, Any]
     from llmlower.runtime import Engine
 
     record = plan["builds"][name]
-    if record["recipe"]["backend"] == "onnx":
-        has_cuda_ep, providers = onnx_cuda()
-        if not has_cuda_ep:
-            say(f"{name}: skipped (onnxruntime offers {', '.join(providers)}: no CUDA EP)")
-            return {"skipped": f"onnxruntime offers {', '.join(providers)}: no CUDA EP"}
+    skip = no_cuda_ep() if record["recipe"]["backend"] == "onnx" else None
+    if skip:
+        say(f"{name}: skipped ({skip})")
+        return {"skipped": skip}
     batches, prompt, steps = plan["batches"], plan["prompt"], plan["steps"]
     started = time.perf_counter()
     engine = Engine.load(

@@ -137,7 +137,7 @@ class OnnxSlotExecutor(SlotExecutor):
         if manifest["target"] != "cpu":
             raise GenerationError(f"{artifact}: a per-sequence-cache ONNX artifact runs on the CPU EP only")
         model = str(artifact / manifest["entry_points"]["step"]["file"])
-        initializers = weights.arrays(artifact, manifest) if weights.random else None
+        initializers = weights.made_up(artifact, manifest)
         return cls(model, max_context, num_blocks, block_size, threads=threads, initializers=initializers)
 
     def step(self, batch: StepBatch) -> np.ndarray:

@@ -160,7 +160,7 @@ class OnnxPagedExecutor(Executor):
         context = min(max_context, manifest.get("spec", {}).get("max_positions", max_context))  # the rotary rows
         entry_points = manifest["entry_points"]
         model, copy_model = (str(artifact / entry_points[name]["file"]) for name in ("step", "copy_blocks"))
-        initializers = weights.arrays(artifact, manifest) if weights.random else None
+        initializers = weights.made_up(artifact, manifest)
         try:
             return cls(model, copy_model, context, num_blocks, block_size, threads=threads, initializers=initializers)
         except GenerationError as exc:
