@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from ..errors import CheckpointError
 from ..progress import stage
 from ..spec import DTYPE_BYTES, ModelSpec
+from .experts_capture import EXPERTS_IMPLEMENTATION, prepare_experts
 from .files import check_chat_template, check_gguf, read_json, read_tokenizer_json, safetensors_shards
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -68,6 +69,7 @@ def load(path: str | Path, dtype: str = "float32") -> LoadedModel:
     with stage(f"load {path}"):
         loaded = _load_directory(path, dtype) if path.is_dir() else _load_gguf(path, dtype)
     loaded.module.eval().requires_grad_(False)
+    prepare_experts(loaded.module)
     return loaded
 
 
@@ -88,7 +90,11 @@ def _load_directory(directory: Path, dtype: str) -> LoadedModel:
     try:
         config = AutoConfig.from_pretrained(directory)
         module = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=getattr(torch, dtype), attn_implementation="sdpa", use_safetensors=True
+            directory,
+            dtype=getattr(torch, dtype),
+            attn_implementation="sdpa",
+            experts_implementation=EXPERTS_IMPLEMENTATION,
+            use_safetensors=True,
         )
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{directory}: transformers could not load the checkpoint: {exc}") from None
@@ -128,7 +134,11 @@ def _load_gguf(path: Path, dtype: str) -> LoadedModel:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         module = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+            path.parent,
+            gguf_file=path.name,
+            dtype=getattr(torch, dtype),
+            attn_implementation="sdpa",
+            experts_implementation=EXPERTS_IMPLEMENTATION,
         )
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: transformers could not load this GGUF file: {exc}") from None

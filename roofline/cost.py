@@ -107,6 +107,15 @@ OP_ARGUMENTS: dict[str, Callable[[list[Any]], dict[str, int]]] = {
         weight_bytes=sum(nbytes(t) for t in a[1:5]),
         element_bytes=a[0].element_size(),
     ),
+    "moe_experts": lambda a: dict(
+        tokens=a[0].shape[0],
+        top_k=a[1].shape[1],
+        experts=a[3].shape[0],
+        hidden=a[0].shape[-1],
+        intermediate=a[5].shape[-1],
+        expert_bytes=sum(nbytes(t) // t.shape[0] for t in a[3:7] if isinstance(t, torch.Tensor)),
+        element_bytes=a[0].element_size(),
+    ),
     "qembedding": lambda a: dict(
         rows=a[0].numel(),
         dim=a[5],
@@ -122,6 +131,7 @@ OP_KINDS = {
     "rope": "elementwise",
     "silu_mul": "elementwise",
     "qlinear": "matmul",
+    "moe_experts": "matmul",
     "qembedding": "embedding",
 }
 

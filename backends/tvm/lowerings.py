@@ -17,6 +17,7 @@ from tvm import relax, te, tirx
 from ...errors import LlmlowerError
 from ...ir import (
     ADD_RMS_NORM,
+    MOE_EXPERTS,
     PAGED_ATTENTION,
     PAGED_QKV_ATTENTION,
     QEMBEDDING,
@@ -230,6 +231,58 @@ def qembedding(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="dequantize_take")
 
 
+SWIGLU_DEFAULTS = (1.0, 0.0, 0.0)  # moe_experts' alpha, beta, limit
+
+
+def _moe_te(x, ids, weights, w_up, b_up, w_down, b_down, alpha: float, beta: float, limit: float) -> te.Tensor:
+    """The chosen experts of each token: its up and down matmuls index the expert weights by the router's ids
+    inside the reduction, so a step reads the chosen experts' rows only (never a gathered copy)."""
+    tokens, top_k = ids.shape
+    hidden, intermediate = w_down.shape[1], w_down.shape[2]
+    h = te.reduce_axis((0, hidden), name="h")
+
+    def up(t, j, u):
+        product = te.sum(x[t, h].astype("float32") * w_up[ids[t, j], u, h].astype("float32"), axis=h)
+        return product if b_up is None else product + b_up[ids[t, j], u].astype("float32")
+
+    gate_up = te.compute((tokens, top_k, 2 * intermediate), up, name="moe_up")
+
+    def gated(t, j, i):
+        gate, value = gate_up[t, j, 2 * i], gate_up[t, j, 2 * i + 1]
+        if limit > 0:
+            gate, value = tirx.min(gate, limit), tirx.max(tirx.min(value, limit), -limit)
+        return gate * tirx.sigmoid(gate * alpha) * (value + beta)
+
+    act = te.compute((tokens, top_k, intermediate), gated, name="moe_swiglu")
+    i = te.reduce_axis((0, intermediate), name="i")
+
+    def down(t, j, d):
+        product = te.sum(act[t, j, i] * w_down[ids[t, j], d, i].astype("float32"), axis=i)
+        return product if b_down is None else product + b_down[ids[t, j], d].astype("float32")
+
+    expert_out = te.compute((tokens, top_k, hidden), down, name="moe_down")
+    j = te.reduce_axis((0, top_k), name="j")
+    return te.compute(
+        (tokens, hidden),
+        lambda t, d: te.sum(expert_out[t, j, d] * weights[t, j].astype("float32"), axis=j).astype(x.dtype),
+        name="moe_combine",
+    )
+
+
+def moe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    x, ids, weights, w_up, b_up, w_down, b_down, *gate = importer.retrieve_args(node)
+    alpha, beta, limit = (*gate, *SWIGLU_DEFAULTS[len(gate) :])  # the export leaves default arguments out
+    tensors = [x, ids, weights, w_up, w_down] + [t for t in (b_up, b_down) if t is not None]
+
+    def compute(x, ids, weights, w_up, w_down, *biases):
+        biases = list(biases)
+        up_bias = biases.pop(0) if b_up is not None else None
+        down_bias = biases.pop(0) if b_down is not None else None
+        return _moe_te(x, ids, weights, w_up, up_bias, w_down, down_bias, alpha, beta, limit)
+
+    return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="moe_experts")
+
+
 def _matmul_float32(importer: StepImporter, a: relax.Expr, b: relax.Expr) -> relax.Expr:
     """a @ b accumulated in float32 and returned in a's dtype (TVM's importer returns float32 for float16 inputs,
     which breaks the float16 graph that follows)."""
@@ -259,6 +312,7 @@ CONVERTERS: dict[str, Converter] = {
     PAGED_QKV_ATTENTION.name: paged_qkv_attention,
     QLINEAR.name: qlinear,
     QEMBEDDING.name: qembedding,
+    MOE_EXPERTS.name: moe_experts,
 }
 
 
