@@ -48,6 +48,10 @@ TINY_CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**COMMON),  # q/k/v projections with bias
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),  # q/k RMSNorm
     "gemma": lambda: transformers.GemmaConfig(**COMMON, head_dim=16),
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(  # softmax, top-k, renormalised
+        **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
     "gpt2": lambda: transformers.GPT2Config(  # learned positions, MHA, Conv1D
         vocab_size=VOCAB,
         n_embd=64,

@@ -234,18 +234,26 @@ def qembedding(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
 SWIGLU_DEFAULTS = (1.0, 0.0, 0.0)  # moe_experts' alpha, beta, limit
 
 
-def _moe_te(x, ids, weights, w_up, b_up, w_down, b_down, alpha: float, beta: float, limit: float) -> te.Tensor:
+def _expert_bias(out: te.Tensor, bias: te.Tensor | None, ids: te.Tensor, name: str) -> te.Tensor:
+    """out[t, j, :] + bias[ids[t, j], :], each (token, chosen expert) row its expert's bias."""
+    if bias is None:
+        return out
+    return te.compute(out.shape, lambda t, j, n: out[t, j, n] + bias[ids[t, j], n].astype("float32"), name=name)
+
+
+def moe_te(x, ids, weights, w_up, b_up, w_down, b_down, alpha: float, beta: float, limit: float) -> te.Tensor:
     """The chosen experts of each token: its up and down matmuls index the expert weights by the router's ids
     inside the reduction, so a step reads the chosen experts' rows only (never a gathered copy)."""
     tokens, top_k = ids.shape
     hidden, intermediate = w_down.shape[1], w_down.shape[2]
     h = te.reduce_axis((0, hidden), name="h")
 
-    def up(t, j, u):
-        product = te.sum(x[t, h].astype("float32") * w_up[ids[t, j], u, h].astype("float32"), axis=h)
-        return product if b_up is None else product + b_up[ids[t, j], u].astype("float32")
-
-    gate_up = te.compute((tokens, top_k, 2 * intermediate), up, name="moe_up")
+    gate_up = te.compute(
+        (tokens, top_k, 2 * intermediate),
+        lambda t, j, u: te.sum(x[t, h].astype("float32") * w_up[ids[t, j], u, h].astype("float32"), axis=h),
+        name="moe_up",
+    )
+    gate_up = _expert_bias(gate_up, b_up, ids, "moe_up_bias")
 
     def gated(t, j, i):
         gate, value = gate_up[t, j, 2 * i], gate_up[t, j, 2 * i + 1]
@@ -256,11 +264,12 @@ def _moe_te(x, ids, weights, w_up, b_up, w_down, b_down, alpha: float, beta: flo
     act = te.compute((tokens, top_k, intermediate), gated, name="moe_swiglu")
     i = te.reduce_axis((0, intermediate), name="i")
 
-    def down(t, j, d):
-        product = te.sum(act[t, j, i] * w_down[ids[t, j], d, i].astype("float32"), axis=i)
-        return product if b_down is None else product + b_down[ids[t, j], d].astype("float32")
-
-    expert_out = te.compute((tokens, top_k, hidden), down, name="moe_down")
+    expert_out = te.compute(
+        (tokens, top_k, hidden),
+        lambda t, j, d: te.sum(act[t, j, i] * w_down[ids[t, j], d, i].astype("float32"), axis=i),
+        name="moe_down",
+    )
+    expert_out = _expert_bias(expert_out, b_down, ids, "moe_down_bias")
     j = te.reduce_axis((0, top_k), name="j")
     return te.compute(
         (tokens, hidden),
@@ -278,7 +287,7 @@ def moe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
         biases = list(biases)
         up_bias = biases.pop(0) if b_up is not None else None
         down_bias = biases.pop(0) if b_down is not None else None
-        return _moe_te(x, ids, weights, w_up, up_bias, w_down, down_bias, alpha, beta, limit)
+        return moe_te(x, ids, weights, w_up, up_bias, w_down, down_bias, alpha, beta, limit)
 
     return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="moe_experts")
 
