@@ -52,6 +52,27 @@ TINY_CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(  # softmax, top-k, renormalised
         **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
     ),
+    "gpt_oss": lambda: transformers.GptOssConfig(  # attention sinks, clamped SwiGLU experts with biases
+        **COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6
+    ),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(  # latent attention, grouped top-k routing, shared expert
+        **{**COMMON, "num_key_value_heads": 4},
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    ),
+    "bloom": lambda: transformers.BloomConfig(  # ALiBi, eager attention of its own
+        vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=BOS, eos_token_id=EOS, initializer_range=0.1
+    ),
     "gpt2": lambda: transformers.GPT2Config(  # learned positions, MHA, Conv1D
         vocab_size=VOCAB,
         n_embd=64,
@@ -63,6 +84,16 @@ TINY_CONFIGS = {
         initializer_range=0.1,
     ),
 }
+
+
+def transformers_greedy(checkpoint: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' own model, greedy, with no cache and no stop token: the argmax of each step's last logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids) :]
 
 
 def build_tokenizer() -> Tokenizer:
@@ -94,6 +125,12 @@ def write_tiny_checkpoint(arch: str, directory: Path, **config: object) -> Path:
     config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": CHATML}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+@pytest.fixture(scope="session")
+def greedy_reference():
+    """transformers_greedy, for tests that compare generated tokens with transformers' own."""
+    return transformers_greedy
 
 
 @pytest.fixture(scope="session")

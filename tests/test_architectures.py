@@ -5,8 +5,6 @@ beside decoding sequences, and every KV block comes back."""
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
 
 from llmlower.api import compile_artifact
 from llmlower.runtime import Engine, SamplingParams
@@ -26,16 +24,6 @@ BACKENDS = ["onnx", "tvm", "mlir"]
 FAMILIES = ["mixtral", "qwen3_moe"]
 
 
-def transformers_greedy(checkpoint, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    """transformers' own model, greedy, with no cache and no stop token: the argmax of each step's last logits."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt_ids) :]
-
-
 @pytest.fixture(scope="module")
 def artifacts(tiny_checkpoints, tmp_path_factory):
     """(family, backend) -> a compiled fp32 artifact, built once."""
@@ -52,12 +40,12 @@ def artifacts(tiny_checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_equal_transformers(family, backend, artifacts, tiny_checkpoints):
+def test_greedy_tokens_equal_transformers(family, backend, artifacts, tiny_checkpoints, greedy_reference):
     engine = Engine.load(artifacts(family, backend), max_num_seqs=8, max_context=128, max_num_batched_tokens=24)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     results = engine.generate(PROMPTS, params, chat=False)
     assert max(len(r.prompt_token_ids) for r in results) > 24  # longer than a step: split into prompt chunks
     for result in results:
-        expected = transformers_greedy(tiny_checkpoints[family], result.prompt_token_ids, NEW_TOKENS)
+        expected = greedy_reference(tiny_checkpoints[family], result.prompt_token_ids, NEW_TOKENS)
         assert result.token_ids == expected, result.prompt_token_ids
     assert engine.stats().kv_blocks_used == 0
