@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from ..errors import CheckpointError
 from ..progress import stage
 from ..spec import DTYPE_BYTES, ModelSpec
+from .attention_capture import attn_implementation
 from .files import check_chat_template, check_gguf, read_json, read_tokenizer_json, safetensors_shards
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -87,8 +88,9 @@ def _load_directory(directory: Path, dtype: str) -> LoadedModel:
     tokenizer = _tokenizer_files(directory)
     try:
         config = AutoConfig.from_pretrained(directory)
+        attention = attn_implementation(config)
         module = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=getattr(torch, dtype), attn_implementation="sdpa", use_safetensors=True
+            directory, dtype=getattr(torch, dtype), attn_implementation=attention, use_safetensors=True
         )
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{directory}: transformers could not load the checkpoint: {exc}") from None

@@ -1,6 +1,7 @@
 """The llm op set shared by passes, backends and the cost model, and the Program they operate on."""
 
 from .attention import ATTENTION
+from .causal_attention import CAUSAL_ATTENTION
 from .norms import ADD_RMS_NORM, RMS_NORM
 from .paged_attention import PAGED_ATTENTION
 from .paged_qkv_attention import PAGED_QKV_ATTENTION
@@ -14,6 +15,7 @@ from .silu_mul import SILU_MUL
 __all__ = [
     "ADD_RMS_NORM",
     "ATTENTION",
+    "CAUSAL_ATTENTION",
     "OPS",
     "PAGED_ATTENTION",
     "PAGED_QKV_ATTENTION",
