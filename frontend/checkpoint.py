@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from ..errors import CheckpointError
 from ..progress import stage
 from ..spec import DTYPE_BYTES, ModelSpec
+from .attention_capture import attn_implementation
 from .experts_capture import EXPERTS_IMPLEMENTATION, prepare_experts
 from .files import check_chat_template, check_gguf, read_json, read_tokenizer_json, safetensors_shards
 
@@ -89,10 +90,11 @@ def _load_directory(directory: Path, dtype: str) -> LoadedModel:
     tokenizer = _tokenizer_files(directory)
     try:
         config = AutoConfig.from_pretrained(directory)
+        attention = attn_implementation(config)
         module = AutoModelForCausalLM.from_pretrained(
             directory,
             dtype=getattr(torch, dtype),
-            attn_implementation="sdpa",
+            attn_implementation=attention,
             experts_implementation=EXPERTS_IMPLEMENTATION,
             use_safetensors=True,
         )

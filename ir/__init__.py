@@ -1,6 +1,7 @@
 """The llm op set shared by passes, backends and the cost model, and the Program they operate on."""
 
 from .attention import ATTENTION
+from .causal_attention import CAUSAL_ATTENTION
 from .moe import MOE_EXPERTS
 from .norms import ADD_RMS_NORM, RMS_NORM
 from .paged_attention import PAGED_ATTENTION
@@ -15,6 +16,7 @@ from .silu_mul import SILU_MUL
 __all__ = [
     "ADD_RMS_NORM",
     "ATTENTION",
+    "CAUSAL_ATTENTION",
     "MOE_EXPERTS",
     "OPS",
     "PAGED_ATTENTION",

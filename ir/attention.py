@@ -8,6 +8,11 @@ position past_lens[b] + t. The op writes the valid new k/v into the cache at tho
 (out [batch, heads, tokens, head_dim], updated k_cache, updated v_cache). Query t attends to cache
 positions j <= past_lens[b] + t (and j > that - window when window > 0). Outputs at padded query
 positions are unspecified. Prefill (past_lens = 0) and decode (tokens = 1) are the same op.
+
+The extras some models need, each off by default (`attend`): `softcap` > 0 caps the scaled logits at
+softcap * tanh(logit / softcap) (Gemma 2); `sinks` [heads] are learned logits of a key nobody sees, one per
+head, that take a share of the softmax (gpt-oss); values may have a head size of their own (v, v_cache and
+out then end in it; DeepSeek's MLA), and `scale` is whatever the model scales q·k by.
 """
 
 from __future__ import annotations
@@ -24,9 +29,40 @@ def visible(keys: torch.Tensor, positions: torch.Tensor, window: int = 0) -> tor
     return allowed & (keys > positions - window) if window > 0 else allowed
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax over the allowed keys of the scaled (and soft-capped) logits, with each head's sink logit as an
+    extra column dropped after the softmax, times v: transformers' eager attention of Gemma 2 and gpt-oss.
+    q [batch, heads, tokens, dk], k [batch, kv_heads, keys, dk], v [batch, kv_heads, keys, dv], allowed broadcast
+    to [batch, heads, tokens, keys]; returns [batch, heads, tokens, dv]. Without extras it is SDPA itself."""
+    if not softcap and sinks is None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.unsqueeze(2).expand(-1, -1, group, -1, -1).flatten(1, 2) for x in (k, v))  # repeat kv heads
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)  # finite: a padded row gives no NaN
+    if sinks is not None:
+        column = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights.to(v.dtype), v)
+
+
 def _take_tokens(x: torch.Tensor, index: torch.Tensor, context: int) -> torch.Tensor:
     """[batch, kv_heads, context, head_dim]: token index[b * context + j] of x (its tokens flattened over rows)."""
-    batch, kv_heads, tokens, head_dim = x.shape
+    batch, kv_heads, tokens, head_dim = x.shape  # (head_dim: k's or v's own)
     flat = x.transpose(1, 2).reshape(batch * tokens, kv_heads, head_dim)
     return flat.index_select(0, index).reshape(batch, context, kv_heads, head_dim).transpose(1, 2)
 
@@ -41,6 +77,8 @@ def attention_reference(
     input_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, context = q.shape[2], k_cache.shape[2]
     totals = past_lens + input_lens
@@ -59,9 +97,7 @@ def attention_reference(
 
     positions = past_lens[:, None] + torch.arange(tokens, device=q.device)  # [batch, tokens]
     allowed = visible(keys, positions[:, :, None], window) & (keys < totals[:, None, None])  # [batch, tokens, ctx]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k_cache, v_cache, attn_mask=allowed[:, None], scale=scale, enable_gqa=True
-    )
+    out = attend(q, k_cache, v_cache, allowed[:, None], scale, softcap, sinks)
     return out, k_cache, v_cache
 
 
@@ -69,19 +105,30 @@ attention = torch.library.custom_op(f"{NAMESPACE}::attention", attention_referen
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window=0):
-    return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
+def _attention_fake(q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window=0, softcap=0.0, sinks=None):
+    return q.new_empty((*q.shape[:3], v.shape[-1])), torch.empty_like(k_cache), torch.empty_like(v_cache)
 
 
 def attention_cost(
-    batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, context: int, element_bytes: int
+    batch: int,
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    context: int,
+    element_bytes: int,
+    value_head_dim: int | None = None,
+    softcap: bool = False,
 ) -> Cost:
-    """QK^T and PV over `context` keys per query (the full matrix, masked or not); reads q and the new k/v,
-    writes the output; reads the kv-heads cache's `context` positions once and writes the new k/v into it."""
-    flops = 4 * batch * heads * tokens * context * head_dim
-    activations = 2 * batch * tokens * heads * head_dim + 2 * batch * tokens * kv_heads * head_dim
-    cache_reads = element_bytes * 2 * batch * kv_heads * context * head_dim
-    cache_writes = element_bytes * 2 * batch * tokens * kv_heads * head_dim
+    """QK^T (head_dim) and PV (value_head_dim, head_dim unless given) over `context` keys per query (the full
+    matrix, masked or not; softcap adds a divide, tanh and multiply per logit); reads q and the new k/v, writes
+    the output; reads the kv-heads cache's `context` positions once and writes the new k/v into it."""
+    dims = head_dim + (value_head_dim or head_dim)  # a key's and a value's elements
+    logits = batch * heads * tokens * context
+    flops = 2 * logits * dims + (3 * logits if softcap else 0)
+    activations = batch * tokens * heads * dims + batch * tokens * kv_heads * dims
+    cache_reads = element_bytes * batch * kv_heads * context * dims
+    cache_writes = element_bytes * batch * tokens * kv_heads * dims
     return Cost(
         flops=flops,
         bytes=element_bytes * activations + cache_reads + cache_writes,

@@ -1,8 +1,8 @@
 """`paged_qkv_attention`: `qkv_attention` over block pools (the PAGED layout of `paged_attention`).
 
-qkv is [1, tokens, (heads + 2 kv_heads) * head_dim], the step's tokens packed one sequence after another;
+qkv is [1, tokens, (heads + kv_heads) * dk + kv_heads * dv], the step's tokens packed one sequence after another;
 each token is rotated for its position in its sequence (past_lens[s] + t) with the rows of cos_table /
-sin_table, then attends as `paged_attention` does. Returns (out [1, tokens, heads * head_dim], updated
+sin_table, then attends as `paged_attention` does. Returns (out [1, tokens, heads * dv], updated
 k_pool, updated v_pool). This is ONNX Runtime's PagedAttention with packed qkv and do_rotary.
 """
 
@@ -29,25 +29,40 @@ def paged_qkv_attention(
     kv_heads: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens = qkv.shape[1]
-    q, k, v = split_heads(qkv, heads, kv_heads, k_pool.shape[-1])
+    q, k, v = split_heads(qkv, heads, kv_heads, k_pool.shape[-1], v_pool.shape[-1])
     positions = torch.zeros(tokens, dtype=torch.int64, device=qkv.device)
     _, real = packed_positions(past_lens, input_lens)
     positions[: len(real)] = real.clamp(max=cos_table.shape[0] - 1)
     cos, sin = (torch.cat((t[positions], t[positions]), dim=-1)[None, None] for t in (cos_table, sin_table))
     q, k = torch.ops.llmlower.rope(q, cos, sin), torch.ops.llmlower.rope(k, cos, sin)
     out, k_pool, v_pool = torch.ops.llmlower.paged_attention(
-        q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens, scale, window
+        q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens, scale, window, softcap, sinks
     )
     return out.transpose(1, 2).reshape(1, tokens, -1), k_pool, v_pool
 
 
 @paged_qkv_attention.register_fake
 def _paged_qkv_attention_fake(
-    qkv, k_pool, v_pool, block_tables, past_lens, input_lens, cos_table, sin_table, heads, kv_heads, scale, window=0
+    qkv,
+    k_pool,
+    v_pool,
+    block_tables,
+    past_lens,
+    input_lens,
+    cos_table,
+    sin_table,
+    heads,
+    kv_heads,
+    scale,
+    window=0,
+    softcap=0.0,
+    sinks=None,
 ):
-    out = qkv.new_empty((qkv.shape[0], qkv.shape[1], heads * k_pool.shape[-1]))
+    out = qkv.new_empty((qkv.shape[0], qkv.shape[1], heads * v_pool.shape[-1]))
     return out, torch.empty_like(k_pool), torch.empty_like(v_pool)
 
 

@@ -120,7 +120,7 @@ def fuse_qkv_attention(program: Program) -> tuple[Program, dict[str, Any]]:
         if node.target is not ATTENTION.overload:
             continue
         q, k, v, k_cache, v_cache, past_lens, input_lens, scale = node.args[:8]
-        window = node.args[8] if len(node.args) > 8 else node.kwargs.get("window", 0)
+        extras = node.args[8:]  # window, softcap, sinks: passed on as they are (positionally or by name)
         if q.target is not ROPE.overload or k.target is not ROPE.overload or q.args[1:] != k.args[1:]:
             continue
         splits = [_head_split(x) for x in (q.args[0], k.args[0], v)]
@@ -128,9 +128,9 @@ def fuse_qkv_attention(program: Program) -> tuple[Program, dict[str, Any]]:
             continue
         source, head_dim = splits[0][0], program.spec.head_dim
         width = _width(gm, source)
-        q_width, kv_width = splits[0][2], splits[1][2] - splits[1][1]
+        q_width, k_width, v_width = (s[2] - s[1] for s in splits)
         bounds = [(s[1], min(s[2], width or 0)) for s in splits]
-        if bounds != [(0, q_width), (q_width, q_width + kv_width), (q_width + kv_width, q_width + 2 * kv_width)]:
+        if bounds != [(0, q_width), (q_width, q_width + k_width), (q_width + k_width, q_width + k_width + v_width)]:
             continue
         cos, sin = (table_for(n, head_dim) for n in q.args[1:])
         packed = _packed_output(next(u for u in node.users if u.args[1] == 0))
@@ -139,7 +139,9 @@ def fuse_qkv_attention(program: Program) -> tuple[Program, dict[str, Any]]:
         with graph.inserting_before(node):
             args = (source, k_cache, v_cache, past_lens, input_lens, graph.get_attr(cos), graph.get_attr(sin))
             new = graph.call_function(
-                QKV_ATTENTION.overload, (*args, q_width // head_dim, kv_width // head_dim, scale, window)
+                QKV_ATTENTION.overload,
+                (*args, q_width // head_dim, k_width // head_dim, scale, *extras),
+                dict(node.kwargs),
             )
             outputs = [graph.call_function(operator.getitem, (new, i)) for i in range(3)]
         old = {user.args[1]: user for user in node.users}

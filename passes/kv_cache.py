@@ -1,10 +1,13 @@
-"""kv_cache: every scaled_dot_product_attention becomes `attention` over a cache of the kv heads only.
+"""kv_cache: every scaled_dot_product_attention (or captured `causal_attention`) becomes `attention` over a
+cache of the kv heads only.
 
 The pass works at the attention node, whatever computed q, k and v: it follows k and v back through the
 model's repeat-kv spelling (unsqueeze + expand + reshape, repeat_interleave, or SDPA's enable_gqa) to the
-tensors with kv_heads heads, and feeds those to the cache. Masks become dead (the op is causal over the
-cache) and are removed. The program gains inputs past_lens, input_lens and one k/v cache pair per layer,
-and returns the updated caches after the logits: prefill and decode are this one graph.
+tensors with kv_heads heads, and feeds those to the cache. `causal_attention` (frontend/attention_capture.py)
+already has kv heads and carries its extras (window, softcap, sinks), which go into `attention` as they are.
+Masks become dead (the op is causal over the cache) and are removed. The program gains inputs past_lens,
+input_lens and one k/v cache pair per layer (each of its own head size), and returns the updated caches after
+the logits: prefill and decode are this one graph.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.fx
 
 from ..errors import PassError
 from ..ir.attention import ATTENTION
+from ..ir.causal_attention import CAUSAL_ATTENTION
 from ..ir.program import INPUT_LENS, PAST_LENS, Program, TensorSpec, cache_names
 from .graph_utils import finish, replace_uses, tensor_meta
 from .registry import Pass, register_pass
@@ -58,7 +62,24 @@ def _sdpa_arguments(node: torch.fx.Node) -> dict[str, Any]:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
     args = dict(zip(names, node.args, strict=False))
     args.update(node.kwargs)
+    if args.get("dropout_p", 0.0):
+        raise PassError(f"kv_cache: {node.name} applies dropout {args['dropout_p']}; capture in eval mode")
     return args
+
+
+def _causal_attention_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """`causal_attention`'s arguments under SDPA's names (q, k, v, scale), plus its extras by their own names
+    (torch.export leaves out those at their defaults)."""
+    names = ("query", "key", "value", "scale", "window", "softcap", "sinks")
+    args = dict(zip(names, node.args, strict=False))
+    args.update(node.kwargs)
+    return args
+
+
+def _attention_sites(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, dict[str, Any]]]:
+    """Every attention node of the graph, in order, with its arguments by name."""
+    readers = {SDPA: _sdpa_arguments, CAUSAL_ATTENTION.overload: _causal_attention_arguments}
+    return [(n, readers[n.target](n)) for n in graph.nodes if n.op == "call_function" and n.target in readers]
 
 
 def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
@@ -68,9 +89,12 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
     spec = program.spec
     gm = program.graph_module
     graph = gm.graph
-    sites = [n for n in graph.nodes if n.op == "call_function" and n.target is SDPA]
+    sites = _attention_sites(graph)
     if not sites:
-        raise PassError("kv_cache: the graph has no scaled_dot_product_attention (load the model with SDPA)")
+        raise PassError(
+            "kv_cache: the graph has no scaled_dot_product_attention or causal_attention "
+            "(load the model with frontend.load, which picks SDPA or llmlower's attention capture)"
+        )
     if len(sites) != spec.num_layers:
         raise PassError(f"kv_cache: found {len(sites)} attention nodes, the config says {spec.num_layers} layers")
 
@@ -84,10 +108,7 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
     new_outputs: list[torch.fx.Node] = []
     output_specs: list[TensorSpec] = []
 
-    for layer, site in enumerate(sites):
-        args = _sdpa_arguments(site)
-        if args.get("dropout_p", 0.0):
-            raise PassError(f"kv_cache: {site.name} applies dropout {args['dropout_p']}; capture in eval mode")
+    for layer, (site, args) in enumerate(sites):
         query, key, value = args["query"], args["key"], args["value"]
         heads = _heads(query)
         key, value = _kv_source(key), _kv_source(value)
@@ -99,11 +120,18 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
             )
         head_dim = int(tensor_meta(query).shape[-1])
         scale = args.get("scale") or 1.0 / math.sqrt(head_dim)
+        window = args.get("window", spec.window_for_layer(layer))
+        if window != spec.window_for_layer(layer):
+            raise PassError(
+                f"kv_cache: {site.name} (layer {layer}) attends over a window of {window}, the config says "
+                f"{spec.window_for_layer(layer)}"
+            )
+        cache_shapes = [("batch", kv_heads, "context", int(tensor_meta(x).shape[-1])) for x in (key, value)]
 
-        for name in cache_names(layer):
+        for name, shape in zip(cache_names(layer), cache_shapes, strict=True):
             with graph.inserting_after(last):
                 last = graph.placeholder(name)
-            new_inputs.append(TensorSpec(name, spec.dtype, ("batch", kv_heads, "context", head_dim)))
+            new_inputs.append(TensorSpec(name, spec.dtype, shape))
         k_cache, v_cache = last.prev, last
         with graph.inserting_before(site):
             call = graph.call_function(
@@ -117,7 +145,9 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
                     past_lens,
                     input_lens,
                     float(scale),
-                    spec.window_for_layer(layer),
+                    window,
+                    float(args.get("softcap", 0.0)),
+                    args.get("sinks"),
                 ),
             )
             results = [graph.call_function(operator.getitem, (call, i)) for i in range(3)]
@@ -125,7 +155,7 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
         graph.erase_node(site)
         new_outputs += results[1:]
         output_specs += [
-            TensorSpec(n, spec.dtype, ("batch", kv_heads, "context", head_dim)) for n in cache_names(layer)
+            TensorSpec(n, spec.dtype, shape) for n, shape in zip(cache_names(layer), cache_shapes, strict=True)
         ]
 
     output = graph.output_node()
@@ -140,7 +170,9 @@ register_pass(
         name="kv_cache",
         summary="SDPA -> `attention` over a kv-heads-only cache; prefill and decode in one graph",
         explain=(
-            "Matches every aten.scaled_dot_product_attention. Follows its key and value back through "
+            "Matches every aten.scaled_dot_product_attention and llmlower::causal_attention (the capture of "
+            "models transformers runs only eagerly, e.g. Gemma 2, gpt-oss; its softcap and sinks are passed on). "
+            "Follows its key and value back through "
             "repeat-kv (unsqueeze(2) + expand + reshape, or repeat_interleave on dim 1) to the tensors with "
             "the config's kv_heads, and replaces the node with llmlower::attention reading and appending a "
             "cache [batch, kv_heads, context, head_dim] per layer. Adds inputs past_lens and input_lens "

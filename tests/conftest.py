@@ -48,6 +48,15 @@ TINY_CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**COMMON),  # q/k/v projections with bias
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),  # q/k RMSNorm
     "gemma": lambda: transformers.GemmaConfig(**COMMON, head_dim=16),
+    # soft-capping that bends the logits (scale 1/2, not 1/sqrt(16); final logits capped too), alternating windows
+    "gemma2": lambda: transformers.Gemma2Config(
+        **COMMON,
+        head_dim=16,
+        sliding_window=6,
+        query_pre_attn_scalar=4,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=5.0,
+    ),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(  # softmax, top-k, renormalised
         **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True

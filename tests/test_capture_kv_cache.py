@@ -10,7 +10,7 @@ from llmlower.ir.program import cache_names, example_inputs
 from llmlower.passes import FUSION, run_pipeline
 from llmlower.passes.kv_cache import SDPA
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt2"]
 PROMPT_LENS = [5, 9, 3]
 DECODE_STEPS = 8
 CONTEXT = 24

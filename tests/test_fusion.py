@@ -10,7 +10,7 @@ from llmlower.ir import ROPE, SILU_MUL
 from llmlower.ir.program import example_inputs, fetch_attr
 from llmlower.passes import FUSION, run_pipeline
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt2"]
 LLAMA_FAMILY = ["llama", "mistral", "qwen2", "qwen3"]
 LINEAR = torch.ops.aten.linear.default
 

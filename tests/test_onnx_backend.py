@@ -48,7 +48,7 @@ def _max_difference(program, accuracy_level: int = 4) -> float:
     return worst
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt2"])
 def test_fp32_onnx_matches_the_torch_reference(arch, tiny_checkpoints):
     program = run_pipeline(capture(load(tiny_checkpoints[arch])), build_pipeline())
     assert _max_difference(program) <= 1e-4

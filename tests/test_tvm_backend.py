@@ -76,7 +76,7 @@ def _max_difference(program) -> float:
     return worst
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "gpt2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gpt2", "mistral"])
 def test_fp32_tvm_matches_the_torch_reference(arch, captures):
     """mistral: sliding window 6, which the kernels apply over the blocks."""
     assert _max_difference(_paged(captures, arch)) <= TOLERANCE

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 import tvm
 from tvm import relax, tirx
 
 from llmlower.backends.tvm.compile import compile_module, cuda_binary, tvm_target
 from llmlower.backends.tvm.paged_kernels import emit_copy_blocks, emit_paged_attention
+from llmlower.ir import PAGED_ATTENTION
 
 HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 16, 4, 24, 5
 # past lengths and new tokens of the 4 sequences in the first step (prefill from nothing, decode, prefill after a
@@ -34,18 +36,30 @@ class Step:
     starts: np.ndarray
 
 
-def _module(target: tvm.target.Target, heads: int, kv_heads: int, window: int) -> tvm.IRModule:
-    """`attend(q, k, v, k_pool, v_pool, tables, past, starts)` -> attention output reshaped to [N, heads * D]
-    (an op LegalizeOps/FuseOps see next to ours), and `copy(k_pool, v_pool, src, dst)` -> both pools."""
+def _module(
+    target: tvm.target.Target,
+    heads: int,
+    kv_heads: int,
+    window: int,
+    softcap: float = 0.0,
+    sinks: np.ndarray | None = None,
+    dv: int = HEAD_DIM,
+) -> tvm.IRModule:
+    """`attend(q, k, v, k_pool, v_pool, tables, past, starts)` -> attention output reshaped to [N, heads * dv]
+    (an op LegalizeOps/FuseOps see next to ours), and `copy(k_pool, v_pool, src, dst)` -> both pools. softcap,
+    sinks (a constant) and the value head size dv are the kernels' extras."""
     dtype = "float32" if target.kind.name == "llvm" else "float16"
     n, s, s1, nb, mb, c = (tirx.Var(name, "int64") for name in ("n", "s", "s1", "nb", "mb", "c"))
 
     def pools() -> list[relax.Var]:
-        return [relax.Var(name, relax.TensorType([nb, BLOCK_SIZE, kv_heads, HEAD_DIM], dtype)) for name in "kv"]
+        return [
+            relax.Var(name, relax.TensorType([nb, BLOCK_SIZE, kv_heads, d], dtype))
+            for name, d in zip("kv", (HEAD_DIM, dv), strict=True)
+        ]
 
     rows = [
-        relax.Var(name, relax.TensorType([n, h, HEAD_DIM], dtype))
-        for name, h in zip("qkv", (heads, kv_heads, kv_heads), strict=True)
+        relax.Var(name, relax.TensorType([n, h, d], dtype))
+        for name, h, d in zip("qkv", (heads, kv_heads, kv_heads), (HEAD_DIM, HEAD_DIM, dv), strict=True)
     ]
     tables = [
         relax.Var(name, relax.TensorType(shape, "int32"))
@@ -57,9 +71,10 @@ def _module(target: tvm.target.Target, heads: int, kv_heads: int, window: int) -
         with bb.dataflow():
             out = emit_paged_attention(
                 bb, *rows, k_pool, v_pool, *tables, heads=heads, kv_heads=kv_heads, head_dim=HEAD_DIM,
-                block_size=BLOCK_SIZE, scale=HEAD_DIM**-0.5, window=window, target=target,
+                block_size=BLOCK_SIZE, scale=HEAD_DIM**-0.5, window=window, target=target, softcap=softcap,
+                sinks=None if sinks is None else relax.const(sinks), value_head_dim=dv,
             )  # fmt: skip
-            out = bb.emit_output(relax.op.reshape(out, [n, heads * HEAD_DIM]))
+            out = bb.emit_output(relax.op.reshape(out, [n, heads * dv]))
         bb.emit_func_output(out)
     k_pool, v_pool = pools()
     src, dst = (relax.Var(name, relax.TensorType([c], "int32")) for name in ("src", "dst"))
@@ -81,10 +96,20 @@ def _tables(rng: np.random.Generator) -> np.ndarray:
     return tables
 
 
-def _step(rng: np.random.Generator, tables: np.ndarray, past: list[int], new: list[int], heads: int, kv: int) -> Step:
-    """Random rows for sequences with `past` tokens and `new` tokens each."""
+def _step(
+    rng: np.random.Generator,
+    tables: np.ndarray,
+    past: list[int],
+    new: list[int],
+    heads: int,
+    kv: int,
+    dv: int = HEAD_DIM,
+) -> Step:
+    """Random rows for sequences with `past` tokens and `new` tokens each (values of head size dv)."""
     n = sum(new)
-    q, k, v = (rng.standard_normal((n, h, HEAD_DIM)).astype("float32") for h in (heads, kv, kv))
+    q, k, v = (
+        rng.standard_normal((n, h, d)).astype("float32") for h, d in ((heads, HEAD_DIM), (kv, HEAD_DIM), (kv, dv))
+    )
     return Step(q, k, v, tables, np.array(past, "int32"), np.cumsum([0, *new]).astype("int32"))
 
 
@@ -147,3 +172,36 @@ def test_cuda_build() -> None:
     source, fatbin = cuda_binary(compile_module(_module(target, 6, 2, 5), target), target)
     assert all(f"{name}_kernel" in source for name in ("paged_append", "paged_attention", "copy_blocks"))
     assert fatbin
+
+
+@pytest.mark.parametrize(
+    ("softcap", "sinks", "dv"), [(1.5, False, HEAD_DIM), (0.0, True, HEAD_DIM), (0.0, False, 8), (1.5, True, 24)]
+)
+def test_extras_match_the_paged_attention_reference(softcap: float, sinks: bool, dv: int) -> None:
+    """Soft-capping, sink logits (in the online softmax's starting state) and values of their own head size: the
+    kernels against the op's torch reference (ir/paged_attention.py), two steps, a sliding window of 5."""
+    heads, kv_heads, window = 6, 2, 5
+    rng = np.random.default_rng(7)
+    sink_logits = rng.standard_normal(heads).astype("float32") if sinks else None
+    target = tvm_target("cpu")
+    module = _module(target, heads, kv_heads, window, softcap, sink_logits, dv)
+    vm = relax.VirtualMachine(compile_module(module, target), tvm.cpu())
+    tables = _tables(rng)
+    k_pool, v_pool = (
+        rng.standard_normal((NUM_BLOCKS, BLOCK_SIZE, kv_heads, d)).astype("float32") for d in (HEAD_DIM, dv)
+    )
+    pools = [tvm.runtime.tensor(pool) for pool in (k_pool, v_pool)]
+    for past, new in ((PAST, NEW), (list(np.add(PAST, NEW)), NEXT)):
+        step = _step(rng, tables, past, new, heads, kv_heads, dv)
+        step.q *= 3  # logits large enough for the cap to bend them
+        packed = [torch.from_numpy(x).transpose(0, 1)[None] for x in (step.q, step.k, step.v)]  # [1, h, N, d]
+        expected, k_pool, v_pool = PAGED_ATTENTION.op(
+            *packed, torch.from_numpy(k_pool), torch.from_numpy(v_pool), torch.from_numpy(tables).long(),
+            torch.tensor(past), torch.tensor(new), HEAD_DIM**-0.5, window, softcap,
+            None if sink_logits is None else torch.from_numpy(sink_logits),
+        )  # fmt: skip
+        expected, k_pool, v_pool = expected[0].transpose(0, 1).numpy(), k_pool.numpy(), v_pool.numpy()
+        args = [step.q, step.k, step.v, *pools, step.tables, step.past, step.starts]
+        out = vm["attend"](*(a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(a) for a in args))
+        assert np.abs(out.numpy().reshape(expected.shape) - expected).max() <= 1e-5
+        assert np.array_equal(pools[0].numpy(), k_pool) and np.array_equal(pools[1].numpy(), v_pool)

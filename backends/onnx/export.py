@@ -11,7 +11,7 @@ import onnx
 import torch
 
 from ...errors import LlmlowerError
-from ...ir import OPS, PAGED_ATTENTION, PAGED_QKV_ATTENTION
+from ...ir import OPS, PAGED_ATTENTION, PAGED_QKV_ATTENTION, QKV_ATTENTION
 from ...ir.program import Program
 from .lowerings import translations
 from .paged_lowerings import PAGED_DTYPES
@@ -25,6 +25,7 @@ class LoweringError(LlmlowerError):
 
 
 PAGED_OPS = (PAGED_ATTENTION.overload, PAGED_QKV_ATTENTION.overload)
+FUSED_QKV_OPS = (QKV_ATTENTION.overload, PAGED_QKV_ATTENTION.overload)  # caches at arguments 1 and 2
 
 
 def _activation_dtype(node: torch.fx.Node, program: Program) -> str:
@@ -33,9 +34,15 @@ def _activation_dtype(node: torch.fx.Node, program: Program) -> str:
     return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else program.spec.dtype
 
 
+def _head_sizes(node: torch.fx.Node) -> set[int]:
+    """The key and value head sizes of a fused-qkv attention node (its caches' last dimensions)."""
+    return {int(cache.meta["val"].shape[-1]) for cache in node.args[1:3] if "val" in cache.meta}
+
+
 def check_lowerable(program: Program) -> None:
-    """Fail before exporting when an op of the set has no ONNX lowering, or a paged attention runs in a type
-    ONNX Runtime's PagedAttention lacks, naming the node."""
+    """Fail before exporting when an op of the set has no ONNX lowering, a paged attention runs in a type
+    ONNX Runtime's PagedAttention lacks, or a fused qkv projection holds values of a head size of their own
+    (ONNX Runtime's ops rotate a packed qkv of one head size), naming the node."""
     ours = {opdef.overload for opdef in OPS.values()}
     lowered = translations()
     for node in program.graph_module.graph.nodes:
@@ -47,6 +54,12 @@ def check_lowerable(program: Program) -> None:
             raise LoweringError(
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}) in {dtype}: ONNX Runtime's "
                 "PagedAttention (CUDA) runs float16 here; compile for --target cuda (float16 by default)"
+            )
+        if node.target in FUSED_QKV_OPS and len(_head_sizes(node)) > 1:
+            raise LoweringError(
+                f"the ONNX backend cannot lower node {node.name} (op {node.target}): its keys and values have "
+                "head sizes of their own, and ONNX Runtime's packed-qkv attention takes one; leave out "
+                "fuse_qkv_attention"
             )
 
 

@@ -29,6 +29,7 @@ from .schemas import ensure_schema
 MSFT = onnxscript.values.Opset("com.microsoft", 1)
 INT32 = onnxscript.onnx_types.INT32.dtype
 INT64_MAX = 9223372036854775807
+HEAD_SINK = 11  # GroupQueryAttention's input index of the per-head sink logits
 
 ensure_schema("com.microsoft", "GroupQueryAttention", outputs=3)  # no output_qk
 ensure_schema("com.microsoft", "SkipSimplifiedLayerNormalization")
@@ -50,10 +51,24 @@ def _sequence_lengths(past_lens, input_lens):
     return seqlens_k, op.Cast(op.ReduceMax(totals, keepdims=0), to=INT32)
 
 
-def attention(q, k, v, k_cache, v_cache, past_lens, input_lens, scale: float, window: int = 0):
+def _extras(given: int, softcap: float, sinks, like) -> tuple[list, dict]:
+    """GroupQueryAttention's inputs after the `given` first ones up to head_sink (input 11, the sinks in the
+    activations' type), and its softcap attribute; nothing for extras that are off, so that a model without
+    them gets the node it always had. onnxruntime 1.31's CPU kernel takes both (tests/test_eager_attention.py)."""
+    inputs = [] if sinks is None else [None] * (HEAD_SINK - given) + [op.CastLike(sinks, like)]
+    return inputs, {"softcap": float(softcap)} if softcap else {}
+
+
+def attention(
+    q, k, v, k_cache, v_cache, past_lens, input_lens, scale: float, window: int = 0, softcap: float = 0.0, sinks=None
+):
     """GroupQueryAttention over the kv-heads cache. It takes right-padded prompts with no past, or steps
-    in which every sequence brings the same number of tokens (decode)."""
+    in which every sequence brings the same number of tokens (decode). Values with a head size of their own,
+    which GroupQueryAttention refuses, take the standard-op decomposition instead."""
     heads, head_dim = q.shape[1], q.shape[3]
+    if v.shape[3] != head_dim:
+        return _decomposed_attention(q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks)
+    tail, softcapping = _extras(7, softcap, sinks, q)
     out, k_present, v_present = MSFT.GroupQueryAttention(
         _heads_first_to_packed(q),
         _heads_first_to_packed(k),
@@ -61,15 +76,90 @@ def attention(q, k, v, k_cache, v_cache, past_lens, input_lens, scale: float, wi
         k_cache,
         v_cache,
         *_sequence_lengths(past_lens, input_lens),
+        *tail,
         num_heads=heads,
         kv_num_heads=k.shape[1],
         scale=scale,
         local_window_size=window if window > 0 else -1,
+        **softcapping,
     )
     batch_tokens = op.Shape(out, start=0, end=2)
     shape = op.Concat(batch_tokens, op.Constant(value_ints=[heads, head_dim]), axis=0)
     out = op.Transpose(op.Reshape(out, shape), perm=[0, 2, 1, 3])
     return out, k_present, v_present
+
+
+def _arange(x, axis: int):
+    """0, 1, ... up to x's size along `axis` (int64)."""
+    size = op.Squeeze(op.Shape(x, start=axis, end=axis + 1))
+    return op.Range(op.Constant(value_int=0), size, op.Constant(value_int=1))
+
+
+def _written(new, cache, past_lens, input_lens):
+    """The cache with each sequence's new tokens at positions past_lens + t (t < input_lens), in standard ops:
+    every cache position gathers the new token that lands on it, if any (ir/attention.py's tensorised write)."""
+    one = op.Constant(value_ints=[1])
+    source = op.Sub(
+        op.Unsqueeze(_arange(cache, 2), op.Constant(value_ints=[0])), op.Unsqueeze(past_lens, one)
+    )  # [batch, ctx]
+    landed = op.And(op.GreaterOrEqual(source, op.Constant(value_int=0)), op.Less(source, op.Unsqueeze(input_lens, one)))
+    last = op.Sub(op.Shape(new, start=2, end=3), one)
+    index = op.Min(op.Max(source, op.Constant(value_int=0)), last)
+    index = op.Expand(op.Unsqueeze(index, op.Constant(value_ints=[1, 3])), op.Shape(cache))
+    gathered = op.GatherElements(new, index, axis=2)
+    return op.Where(op.Unsqueeze(landed, op.Constant(value_ints=[1, 3])), gathered, cache)
+
+
+def _repeated(x, heads: int, kv_heads: int, dim: int):
+    """[batch, kv_heads, keys, dim] -> [batch, heads, keys, dim], each kv head repeated for its query heads."""
+    group = op.Constant(value_ints=[1, 1, heads // kv_heads, 1, 1])
+    expanded = op.Expand(op.Unsqueeze(x, op.Constant(value_ints=[2])), group)
+    return op.Reshape(expanded, op.Constant(value_ints=[0, heads, -1, dim]))
+
+
+def _allowed(past_lens, input_lens, tokens, keys, window: int):
+    """[batch, 1, tokens, keys]: which cache positions each new token attends to (causal, in its sequence,
+    within the window)."""
+    positions = op.Unsqueeze(
+        op.Add(op.Unsqueeze(past_lens, op.Constant(value_ints=[1])), tokens), op.Constant(value_ints=[2])
+    )
+    allowed = op.And(
+        op.LessOrEqual(keys, positions),
+        op.Less(keys, op.Unsqueeze(op.Add(past_lens, input_lens), op.Constant(value_ints=[1, 2]))),
+    )
+    if window > 0:
+        allowed = op.And(allowed, op.Greater(keys, op.Sub(positions, op.Constant(value_int=window))))
+    return op.Unsqueeze(allowed, op.Constant(value_ints=[1]))
+
+
+def _scalar(value: float, like):
+    """A float constant in the type of `like`."""
+    return op.CastLike(op.Constant(value_float=value), like)
+
+
+def _decomposed_attention(q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks):
+    """`attention` in standard ONNX ops (ir/attention.py's `attend` over the written caches): softmax of the
+    scaled, soft-capped, masked logits with each head's sink as an extra column, times the values."""
+    heads, kv_heads, dk, dv = q.shape[1], k.shape[1], k.shape[3], v.shape[3]
+    k_cache, v_cache = _written(k, k_cache, past_lens, input_lens), _written(v, v_cache, past_lens, input_lens)
+
+    keys = op.Transpose(_repeated(k_cache, heads, kv_heads, dk), perm=[0, 1, 3, 2])
+    scores = op.Mul(op.MatMul(q, keys), _scalar(scale, q))
+    if softcap:
+        cap = _scalar(softcap, q)
+        scores = op.Mul(op.Tanh(op.Div(scores, cap)), cap)
+    allowed = _allowed(past_lens, input_lens, _arange(q, 2), _arange(k_cache, 2), window)
+    scores = op.Where(allowed, scores, _scalar(float(np.finfo(np.float32).min), q))
+    if sinks is not None:
+        column_shape = op.Concat(op.Shape(scores, start=0, end=3), op.Constant(value_ints=[1]), axis=0)
+        column = op.Expand(op.Reshape(op.CastLike(sinks, q), op.Constant(value_ints=[1, heads, 1, 1])), column_shape)
+        weights = op.Softmax(op.Concat(scores, column, axis=-1), axis=-1)
+        weights = op.Slice(
+            weights, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]), op.Constant(value_ints=[3])
+        )
+    else:
+        weights = op.Softmax(scores, axis=-1)
+    return op.MatMul(weights, _repeated(v_cache, heads, kv_heads, dv)), k_cache, v_cache
 
 
 def qkv_attention(
@@ -84,9 +174,12 @@ def qkv_attention(
     kv_heads: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks=None,
 ):
     """One GroupQueryAttention on the packed projection, rotating q and k itself (do_rotary): it derives each
     token's position from the sequence lengths as the op does (past_lens + t)."""
+    tail, softcapping = _extras(9, softcap, sinks, qkv)
     return MSFT.GroupQueryAttention(
         qkv,
         None,
@@ -96,11 +189,13 @@ def qkv_attention(
         *_sequence_lengths(past_lens, input_lens),
         cos_table,
         sin_table,
+        *tail,
         num_heads=heads,
         kv_num_heads=kv_heads,
         scale=scale,
         local_window_size=window if window > 0 else -1,
         do_rotary=1,
+        **softcapping,
     )
 
 

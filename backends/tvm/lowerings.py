@@ -80,30 +80,42 @@ def rope(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     return _rotate(importer, x, cos, sin)
 
 
-def _kernel_options(importer: StepImporter, k_pool: relax.Expr, heads: int, scale: float, window: int) -> dict:
-    """The keyword arguments of emit_paged_attention for a pool [num_blocks, block_size, kv_heads, head_dim]."""
+EXTRAS = {"window": 0, "softcap": 0.0, "sinks": None}  # the attention ops' last arguments and their defaults
+
+
+def _extras(node: torch.fx.Node, args: list, at: int) -> dict:
+    """The op's window, softcap and sinks from argument `at` on (torch.export leaves out those at defaults)."""
+    given = dict(zip(EXTRAS, args[at:], strict=False))
+    return {name: node.kwargs.get(name, given.get(name, default)) for name, default in EXTRAS.items()}
+
+
+def _kernel_options(
+    importer: StepImporter, node: torch.fx.Node, args: list, pools: tuple[relax.Expr, relax.Expr], heads: int, at: int
+) -> dict:
+    """The keyword arguments of emit_paged_attention for pools [num_blocks, block_size, kv_heads, head_dim] (the
+    value pool's last dimension its own) and the op's scale (argument at - 1) and extras (from `at` on)."""
+    k_pool, v_pool = pools
     block_size, kv_heads, head_dim = (int(k_pool.ty.shape[i]) for i in (1, 2, 3))
+    extras = _extras(node, args, at)
     return {
         "heads": int(heads),
         "kv_heads": kv_heads,
         "head_dim": head_dim,
         "block_size": block_size,
-        "scale": float(scale),
-        "window": int(window),
+        "scale": float(args[at - 1]),
+        "window": int(extras["window"]),
         "target": importer.target,
+        "softcap": float(extras["softcap"]),
+        "sinks": extras["sinks"],
+        "value_head_dim": int(v_pool.ty.shape[3]),
     }
-
-
-def _window(node: torch.fx.Node, args: list, at: int) -> int:
-    """The op's window argument (torch.export leaves out a default 0)."""
-    return int(node.kwargs.get("window", args[at] if len(args) > at else 0))
 
 
 def paged_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     """q [1, H, N, D] and k, v [1, KV, N, D], already rotated, packed tokens: the paged kernels append k/v into
     the pools (in place) and attend; the op's updated-pool outputs are the pools themselves."""
     args = importer.retrieve_args(node)
-    q, k, v, k_pool, v_pool, _, _, _, scale = args[:9]
+    q, k, v, k_pool, v_pool = args[:5]
     heads, tokens = q.ty.shape[1], q.ty.shape[2]
     rows = [_emit(importer, relax.op.permute_dims(x, [0, 2, 1, 3])) for x in (q, k, v)]
     rows = [_emit(importer, relax.op.reshape(x, [tokens, x.ty.shape[2], x.ty.shape[3]])) for x in rows]
@@ -113,7 +125,7 @@ def paged_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
         k_pool,
         v_pool,
         *importer.kernel_inputs(),
-        **_kernel_options(importer, k_pool, heads, scale, _window(node, args, 9)),
+        **_kernel_options(importer, node, args, (k_pool, v_pool), heads, 9),
     )
     out = _emit(importer, relax.op.reshape(out, [1, *out.ty.shape]))
     return relax.Tuple([_emit(importer, relax.op.permute_dims(out, [0, 2, 1, 3])), k_pool, v_pool])
@@ -123,15 +135,18 @@ def paged_qkv_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Ex
     """Fused qkv [1, N, (H + 2 KV) * D], packed tokens: q and k rotated here with the tables' rows at
     position_ids (each token's position in its sequence), then the paged kernels as in paged_attention."""
     args = importer.retrieve_args(node)
-    qkv, k_pool, v_pool, _, _, _, cos_table, sin_table, heads, kv_heads, scale = args[:11]
-    head_dim = int(k_pool.ty.shape[3])
+    qkv, k_pool, v_pool, _, _, _, cos_table, sin_table, heads, kv_heads = args[:10]
+    head_dim, value_head_dim = int(k_pool.ty.shape[3]), int(v_pool.ty.shape[3])
     tokens = qkv.ty.shape[1]
-    qkv = _emit(importer, relax.op.reshape(qkv, [tokens, heads + 2 * kv_heads, head_dim]))
     positions = _emit(importer, relax.op.reshape(importer.position_ids, [tokens]))
     cos, sin = (_emit(importer, relax.op.take(t, positions, axis=0, mode="clip")) for t in (cos_table, sin_table))
     cos, sin = (_emit(importer, relax.op.expand_dims(relax.op.concat([t, t], 1), 1)) for t in (cos, sin))
-    parts = _emit(importer, relax.op.split(qkv, [heads, heads + kv_heads], axis=1))
+    parts = _emit(importer, relax.op.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=2))
     q, k, v = (_emit(importer, relax.TupleGetItem(parts, i)) for i in range(3))
+    heads_of = ((heads, head_dim), (kv_heads, head_dim), (kv_heads, value_head_dim))
+    q, k, v = (
+        _emit(importer, relax.op.reshape(x, [tokens, *shape])) for x, shape in zip((q, k, v), heads_of, strict=True)
+    )
     q, k = (_rotate(importer, x, cos, sin) for x in (q, k))
     out = emit_paged_attention(
         importer.block_builder,
@@ -141,9 +156,9 @@ def paged_qkv_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Ex
         k_pool,
         v_pool,
         *importer.kernel_inputs(),
-        **_kernel_options(importer, k_pool, heads, scale, _window(node, args, 11)),
+        **_kernel_options(importer, node, args, (k_pool, v_pool), heads, 11),
     )
-    out = _emit(importer, relax.op.reshape(out, [1, tokens, heads * head_dim]))
+    out = _emit(importer, relax.op.reshape(out, [1, tokens, heads * value_head_dim]))
     return relax.Tuple([out, k_pool, v_pool])
 
 

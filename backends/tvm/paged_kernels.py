@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from tvm import relax, tirx
 from tvm.script import tirx as T
 from tvm.target import Target
@@ -49,10 +50,13 @@ def _sequence_of(seq: T.Buffer, query_start: T.Buffer, num_seqs: T.int32, row: T
             seq[0] = s
 
 
-def append_kernel(kv_heads: int, head_dim: int, block_size: int, dtype: str, target_kind: str) -> tirx.PrimFunc:
+def append_kernel(
+    kv_heads: int, head_dim: int, block_size: int, dtype: str, target_kind: str, value_head_dim: int | None = None
+) -> tirx.PrimFunc:
     """k/v of every row written into the pools at the row's position, in place (pools are the first two
-    arguments): one task per row."""
-    row_elems = kv_heads * head_dim
+    arguments): one task per row. Values may have a head size of their own (value_head_dim)."""
+    dv = value_head_dim or head_dim
+    row_elems = kv_heads * max(head_dim, dv)
 
     @T.prim_func(s_tir=True, private=True)
     def paged_append(
@@ -67,9 +71,9 @@ def append_kernel(kv_heads: int, head_dim: int, block_size: int, dtype: str, tar
         T.func_attr(ATTRS)
         n, num_seqs, max_blocks, num_blocks = T.int32(), T.int32(), T.int32(), T.int64()
         k_pool = T.match_buffer(k_pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
-        v_pool = T.match_buffer(v_pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
+        v_pool = T.match_buffer(v_pool_h, (num_blocks, block_size, kv_heads, dv), dtype)
         k = T.match_buffer(k_h, (n, kv_heads, head_dim), dtype)
-        v = T.match_buffer(v_h, (n, kv_heads, head_dim), dtype)
+        v = T.match_buffer(v_h, (n, kv_heads, dv), dtype)
         block_tables = T.match_buffer(tables_h, (num_seqs, max_blocks), "int32")
         past_lens = T.match_buffer(past_h, (num_seqs,), "int32")
         query_start = T.match_buffer(starts_h, (num_seqs + 1,), "int32")
@@ -85,11 +89,12 @@ def append_kernel(kv_heads: int, head_dim: int, block_size: int, dtype: str, tar
                         block: T.let[T.int32] = block_tables[seq[0], pos // block_size]
                         for i in T.serial(T.ceildiv(row_elems, CUDA_THREADS)):
                             e: T.let[T.int32] = i * CUDA_THREADS + tx
-                            if e < row_elems:
-                                h: T.let[T.int32] = e // head_dim
-                                d: T.let[T.int32] = e % head_dim
-                                k_pool[block, pos % block_size, h, d] = k[row, h, d]
-                                v_pool[block, pos % block_size, h, d] = v[row, h, d]
+                            if e < kv_heads * head_dim:
+                                k_pool[block, pos % block_size, e // head_dim, e % head_dim] = k[
+                                    row, e // head_dim, e % head_dim
+                                ]
+                            if e < kv_heads * dv:
+                                v_pool[block, pos % block_size, e // dv, e % dv] = v[row, e // dv, e % dv]
         else:
             for row in T.parallel(n):
                 with T.sblock("append"):
@@ -102,6 +107,7 @@ def append_kernel(kv_heads: int, head_dim: int, block_size: int, dtype: str, tar
                     for h in T.serial(kv_heads):
                         for d in T.vectorized(head_dim):
                             k_pool[block, pos % block_size, h, d] = k[row, h, d]
+                        for d in T.vectorized(dv):
                             v_pool[block, pos % block_size, h, d] = v[row, h, d]
 
     return paged_append
@@ -116,13 +122,22 @@ def attention_kernel(
     scale: float,
     window: int,
     target_kind: str,
+    softcap: float = 0.0,
+    sinks: bool = False,
+    value_head_dim: int | None = None,
 ) -> tirx.PrimFunc:
     """out[row, h] = softmax(scale * q·K) · V over the row's own positions lo..pos (lo = pos - window + 1 with a
     sliding window, else 0). CPU: one task per (row, kv head), each pass over a key serving its query heads;
-    CUDA: one thread block per (row, head), CUDA_THREADS positions per tile."""
+    CUDA: one thread block per (row, head), CUDA_THREADS positions per tile. The extras of ir/attention.py:
+    softcap > 0 caps each logit at softcap * tanh(logit / softcap); with `sinks`, head h's sink logit sinks[h]
+    (the kernel's sinks argument, [heads] float32, read only then) starts the online softmax as a key with no
+    value (running max sinks[h], sum 1), which is the extra softmax column transformers drops; values may have
+    a head size of their own (value_head_dim)."""
     group = heads // kv_heads
+    dv = value_head_dim or head_dim
     lanes = math.gcd(head_dim, LANES)
     dims_per_thread = -(-head_dim // CUDA_THREADS)
+    value_dims_per_thread = -(-dv // CUDA_THREADS)
 
     @T.prim_func(s_tir=True, private=True)
     def paged_attention(
@@ -132,17 +147,19 @@ def attention_kernel(
         tables_h: T.handle,
         past_h: T.handle,
         starts_h: T.handle,
+        sinks_h: T.handle,
         out_h: T.handle,
     ):
         T.func_attr(ATTRS)
         n, num_seqs, max_blocks, num_blocks = T.int32(), T.int32(), T.int32(), T.int64()
         q = T.match_buffer(q_h, (n, heads, head_dim), dtype)
         k_pool = T.match_buffer(k_pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
-        v_pool = T.match_buffer(v_pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
+        v_pool = T.match_buffer(v_pool_h, (num_blocks, block_size, kv_heads, dv), dtype)
         block_tables = T.match_buffer(tables_h, (num_seqs, max_blocks), "int32")
         past_lens = T.match_buffer(past_h, (num_seqs,), "int32")
         query_start = T.match_buffer(starts_h, (num_seqs + 1,), "int32")
-        out = T.match_buffer(out_h, (n, heads, head_dim), dtype)
+        sink = T.match_buffer(sinks_h, (heads,), "float32")
+        out = T.match_buffer(out_h, (n, heads, dv), dtype)
         if _is_cuda(target_kind):
             for task in T.thread_binding(n * heads, thread="blockIdx.x"):
                 for tx in T.thread_binding(CUDA_THREADS, thread="threadIdx.x"):
@@ -153,7 +170,7 @@ def attention_kernel(
                         score = T.sblock_alloc_buffer((CUDA_THREADS,), "float32", scope="shared")
                         block_of = T.sblock_alloc_buffer((CUDA_THREADS,), "int32", scope="shared")
                         seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                        acc = T.sblock_alloc_buffer((dims_per_thread,), "float32", scope="local")
+                        acc = T.sblock_alloc_buffer((value_dims_per_thread,), "float32", scope="local")
                         dot = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         m = T.sblock_alloc_buffer((1,), "float32", scope="local")
                         m_new = T.sblock_alloc_buffer((1,), "float32", scope="local")
@@ -164,10 +181,11 @@ def attention_kernel(
                         _sequence_of(seq, query_start, num_seqs, row)
                         pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
                         lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
-                        m[0] = NEG
-                        total[0] = 0.0
-                        for i in T.serial(dims_per_thread):
+                        m[0] = sink[h] if sinks else T.float32(NEG)
+                        total[0] = T.float32(1.0) if sinks else T.float32(0.0)
+                        for i in T.serial(value_dims_per_thread):
                             acc[i] = 0.0
+                        for i in T.serial(dims_per_thread):
                             if i * CUDA_THREADS + tx < head_dim:
                                 q_s[i * CUDA_THREADS + tx] = T.Cast("float32", q[row, h, i * CUDA_THREADS + tx]) * scale
                         T.tvm_storage_sync("shared")
@@ -181,6 +199,8 @@ def attention_kernel(
                                     dot[0] += q_s[d] * T.Cast(
                                         "float32", k_pool[block_of[tx], j % block_size, h // group, d]
                                     )
+                                if softcap > 0:
+                                    dot[0] = T.tanh(dot[0] * T.float32(1.0 / softcap)) * T.float32(softcap)
                             score[tx] = dot[0]
                             T.tvm_storage_sync("shared")
                             m_new[0] = m[0]
@@ -191,13 +211,13 @@ def attention_kernel(
                             T.tvm_storage_sync("shared")
                             alpha[0] = T.exp(m[0] - m_new[0])
                             total[0] *= alpha[0]
-                            for i in T.serial(dims_per_thread):
+                            for i in T.serial(value_dims_per_thread):
                                 acc[i] *= alpha[0]
                             m[0] = m_new[0]
                             for t in T.serial(T.min(CUDA_THREADS, pos - lo + 1 - tile * CUDA_THREADS)):
                                 total[0] += score[t]
-                                for i in T.serial(dims_per_thread):
-                                    if i * CUDA_THREADS + tx < head_dim:
+                                for i in T.serial(value_dims_per_thread):
+                                    if i * CUDA_THREADS + tx < dv:
                                         acc[i] += score[t] * T.Cast(
                                             "float32",
                                             v_pool[
@@ -208,8 +228,8 @@ def attention_kernel(
                                             ],
                                         )
                             T.tvm_storage_sync("shared")
-                        for i in T.serial(dims_per_thread):
-                            if i * CUDA_THREADS + tx < head_dim:
+                        for i in T.serial(value_dims_per_thread):
+                            if i * CUDA_THREADS + tx < dv:
                                 out[row, h, i * CUDA_THREADS + tx] = T.Cast(dtype, acc[i] / total[0])
         else:
             for task in T.parallel(n * kv_heads):
@@ -218,7 +238,7 @@ def attention_kernel(
                     T.writes()
                     seq = T.sblock_alloc_buffer((1,), "int32")
                     q_s = T.sblock_alloc_buffer((group, head_dim), "float32")
-                    acc = T.sblock_alloc_buffer((group, head_dim), "float32")
+                    acc = T.sblock_alloc_buffer((group, dv), "float32")
                     score = T.sblock_alloc_buffer((group, block_size), "float32")
                     m = T.sblock_alloc_buffer((group,), "float32")
                     m_new = T.sblock_alloc_buffer((group,), "float32")
@@ -231,10 +251,11 @@ def attention_kernel(
                     pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
                     lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
                     for g in T.serial(group):
-                        m[g] = NEG
-                        total[g] = 0.0
+                        m[g] = sink[kvh * group + g] if sinks else T.float32(NEG)
+                        total[g] = T.float32(1.0) if sinks else T.float32(0.0)
                         for d in T.vectorized(head_dim):
                             q_s[g, d] = T.Cast("float32", q[row, kvh * group + g, d]) * scale
+                        for d in T.vectorized(dv):
                             acc[g, d] = 0.0
                     for b in T.serial(lo // block_size, pos // block_size + 1):
                         block: T.let[T.int32] = block_tables[seq[0], b]
@@ -254,13 +275,17 @@ def attention_kernel(
                                     score[g, t] = 0.0
                                     for lane in T.serial(lanes):
                                         score[g, t] += part[g, lane]
+                                    if softcap > 0:
+                                        score[g, t] = T.tanh(score[g, t] * T.float32(1.0 / softcap)) * T.float32(
+                                            softcap
+                                        )
                         for g in T.serial(group):
                             m_new[g] = m[g]
                             for t in T.serial(block_size):
                                 m_new[g] = T.max(m_new[g], score[g, t])
                             alpha[g] = T.exp(m[g] - m_new[g])
                             total[g] *= alpha[g]
-                            for d in T.vectorized(head_dim):
+                            for d in T.vectorized(dv):
                                 acc[g, d] *= alpha[g]
                             m[g] = m_new[g]
                             for t in T.serial(block_size):
@@ -269,10 +294,10 @@ def attention_kernel(
                         for t in T.serial(block_size):
                             if lo <= b * block_size + t and b * block_size + t <= pos:
                                 for g in T.serial(group):
-                                    for d in T.vectorized(head_dim):
+                                    for d in T.vectorized(dv):
                                         acc[g, d] += score[g, t] * T.Cast("float32", v_pool[block, t, kvh, d])
                     for g in T.serial(group):
-                        for d in T.vectorized(head_dim):
+                        for d in T.vectorized(dv):
                             out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / total[g])
 
     return paged_attention
@@ -326,23 +351,34 @@ def emit_paged_attention(
     scale: float,
     window: int,
     target: Target,
+    softcap: float = 0.0,
+    sinks: relax.Expr | None = None,
+    value_head_dim: int | None = None,
 ) -> relax.Var:
-    """Append k/v into the pools in place, then attend over the updated pools: out [N, heads, head_dim].
-    The attention reads the append's outputs, which orders the two and keeps the append alive."""
+    """Append k/v into the pools in place, then attend over the updated pools: out [N, heads, value_head_dim].
+    The attention reads the append's outputs, which orders the two and keeps the append alive. `sinks` [heads]
+    (any float type) are the heads' sink logits; the kernel reads a float32 [heads] argument either way."""
     dtype, kind = q.ty.dtype, target.kind.name
-    append = bb.add_func(append_kernel(kv_heads, head_dim, block_size, dtype, kind), "paged_append")
+    dv = value_head_dim or head_dim
+    kernel = append_kernel(kv_heads, head_dim, block_size, dtype, kind, dv)
+    append = bb.add_func(kernel, "paged_append")
     pools = bb.emit(
         relax.call_tir_inplace(
             append, [k_pool, v_pool, k, v, block_tables, past_lens, query_start], [0, 1], [k_pool.ty, v_pool.ty]
         )
     )
-    attention = attention_kernel(heads, kv_heads, head_dim, block_size, dtype, scale, window, kind)
+    attention = attention_kernel(
+        heads, kv_heads, head_dim, block_size, dtype, scale, window, kind, softcap, sinks is not None, dv
+    )
+    sink_logits = (
+        relax.const(np.zeros(heads, "float32")) if sinks is None else bb.emit(relax.op.astype(sinks, "float32"))
+    )
     updated = [bb.emit(relax.TupleGetItem(pools, i)) for i in range(2)]
     return bb.emit(
         relax.call_tir(
             bb.add_func(attention, "paged_attention"),
-            [q, *updated, block_tables, past_lens, query_start],
-            relax.TensorType(q.ty.shape, dtype),
+            [q, *updated, block_tables, past_lens, query_start, sink_logits],
+            relax.TensorType([q.ty.shape[0], heads, dv], dtype),
         )
     )
 

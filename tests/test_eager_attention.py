@@ -1,0 +1,126 @@
+"""Attention that transformers runs only eagerly (Gemma 2's logit soft-capping, gpt-oss's learned sinks) and
+keys / values of different head sizes: captured as one op, carried by the attention op family and lowered by
+every backend, each checked against the op's reference (transformers' eager math) and, for Gemma 2 as a whole,
+against transformers' own eager generate."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from llmlower.backends.onnx.lowerings import translations
+from llmlower.ir import ATTENTION
+
+HEADS, KV_HEADS, DK, CONTEXT = 4, 2, 8, 16
+MIXED = ([0, 5, 9], [4, 2, 1])  # past_lens, input_lens: a prompt, a chunk after a past, a decode (padded to 4)
+# the steps GroupQueryAttention takes: right-padded prompts without a past, decodes (one token each)
+PREFILL, DECODE = ([0, 0, 0], [4, 2, 3]), ([5, 9, 3], [1, 1, 1])
+# (softcap, sinks, value head size): each extra alone, all together, and none (GroupQueryAttention as before)
+EXTRAS = [(0.0, False, DK), (1.5, False, DK), (0.0, True, DK), (1.5, True, DK), (0.0, False, 4), (1.5, True, 12)]
+
+
+def _step(step: tuple[list[int], list[int]], softcap: float, sinks: bool, dv: int) -> dict[str, torch.Tensor]:
+    """One slot-layout step's arguments: random q/k/v (logits large enough for the cap to bend them), caches
+    and sinks."""
+    gen = torch.Generator().manual_seed(0)
+    past, lens = step
+    batch, tokens = len(past), max(lens)
+    return {
+        "q": 3 * torch.randn(batch, HEADS, tokens, DK, generator=gen),
+        "k": torch.randn(batch, KV_HEADS, tokens, DK, generator=gen),
+        "v": torch.randn(batch, KV_HEADS, tokens, dv, generator=gen),
+        "k_cache": torch.randn(batch, KV_HEADS, CONTEXT, DK, generator=gen),
+        "v_cache": torch.randn(batch, KV_HEADS, CONTEXT, dv, generator=gen),
+        "past_lens": torch.tensor(past),
+        "input_lens": torch.tensor(lens),
+        "sinks": torch.randn(HEADS, generator=gen) if sinks else None,
+    }
+
+
+class _Attention(torch.nn.Module):
+    """One `attention` call as a module, to export it alone."""
+
+    def __init__(self, scale: float, window: int, softcap: float, sinks: torch.Tensor | None) -> None:
+        super().__init__()
+        self.scale, self.window, self.softcap = scale, window, softcap
+        self.sinks = None if sinks is None else torch.nn.Buffer(sinks)
+
+    def forward(self, q, k, v, k_cache, v_cache, past_lens, input_lens):
+        return ATTENTION.op(
+            q, k, v, k_cache, v_cache, past_lens, input_lens, self.scale, self.window, self.softcap, self.sinks
+        )
+
+
+def _eager(args: dict[str, torch.Tensor], scale: float, window: int, softcap: float) -> list[torch.Tensor]:
+    """transformers' eager attention math, sequence by sequence, on the caches the op should have written:
+    gemma2's softcap * tanh(scores / softcap), gpt-oss's sink column dropped after the softmax."""
+    outs = []
+    k_cache, v_cache = args["k_cache"].clone(), args["v_cache"].clone()
+    for b, (past, new) in enumerate(zip(args["past_lens"].tolist(), args["input_lens"].tolist(), strict=True)):
+        k_cache[b, :, past : past + new], v_cache[b, :, past : past + new] = (
+            args["k"][b, :, :new],
+            args["v"][b, :, :new],
+        )
+        group = HEADS // KV_HEADS
+        keys = k_cache[b, :, : past + new].repeat_interleave(group, 0)
+        values = v_cache[b, :, : past + new].repeat_interleave(group, 0)
+        scores = args["q"][b, :, :new] @ keys.transpose(-1, -2) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        positions, columns = torch.arange(past, past + new)[:, None], torch.arange(past + new)[None]
+        allowed = (columns <= positions) & ((columns > positions - window) if window else True)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if args["sinks"] is not None:
+            scores = torch.cat([scores, args["sinks"].reshape(-1, 1, 1).expand(-1, new, 1)], dim=-1)
+        probs = torch.softmax(scores - scores.max(-1, keepdim=True).values, dim=-1)[..., : past + new]
+        outs.append(probs @ values)
+    return [outs, k_cache, v_cache]
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize(("softcap", "sinks", "dv"), EXTRAS)
+def test_reference_is_transformers_eager_math(softcap, sinks, dv, window):
+    args = _step(MIXED, softcap, sinks, dv)
+    scale = 0.3  # not 1/sqrt(DK)
+    out, k_cache, v_cache = ATTENTION.op(
+        **{k: v for k, v in args.items() if k != "sinks"},
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        sinks=args["sinks"],
+    )
+    outs, k_expected, v_expected = _eager(args, scale, window, softcap)
+    torch.testing.assert_close(k_cache, k_expected)
+    torch.testing.assert_close(v_cache, v_expected)
+    for b, new in enumerate(MIXED[1]):
+        torch.testing.assert_close(out[b, :, :new], outs[b], atol=1e-5, rtol=1e-5)
+
+
+def _onnx_session(module: torch.nn.Module, args: tuple) -> ort.InferenceSession:
+    exported = torch.export.export(module, args)
+    onnx_program = torch.onnx.export(exported, custom_translation_table=translations(), dynamo=True, verbose=False)
+    model = onnx_program.model_proto
+    model.ir_version = min(model.ir_version, 10)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]), model
+
+
+@pytest.mark.parametrize("step", [PREFILL, DECODE], ids=["prefill", "decode"])
+@pytest.mark.parametrize(("softcap", "sinks", "dv"), EXTRAS)
+def test_onnx_lowering_matches_the_reference(softcap, sinks, dv, step):
+    """GroupQueryAttention with its softcap attribute and head_sink input where the head sizes agree (onnxruntime
+    1.31's CPU kernel takes both), the standard-op decomposition where they differ; a sliding window of 3."""
+    args = _step(step, softcap, sinks, dv)
+    module = _Attention(0.3, 3, softcap, args.pop("sinks"))
+    inputs = tuple(args.values())
+    session, model = _onnx_session(module, inputs)
+    ops = {n.op_type for n in model.graph.node}
+    assert ("GroupQueryAttention" in ops) == (dv == DK)
+    got = session.run(None, {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs, strict=True)})
+    expected = module(*inputs)
+    for b, new in enumerate(step[1]):
+        np.testing.assert_allclose(got[0][b, :, :new], expected[0][b, :, :new].numpy(), atol=1e-5, rtol=1e-5)
+    for ours, theirs in zip(got[1:], expected[1:], strict=True):
+        for b, total in enumerate(np.add(*step)):
+            np.testing.assert_allclose(ours[b, :, :total], theirs[b, :, :total].numpy(), atol=1e-6)
