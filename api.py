@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from .backends.failures import backend_errors
 from .backends.torch import TorchExecutor
 from .backends.torch.executor import DEFAULT_BLOCK_SIZE
 from .errors import ArgumentError, LlmlowerError
@@ -21,6 +24,7 @@ from .runtime.backends import BACKENDS, get_backend, load_symbol
 from .runtime.block_manager import kv_pool_blocks
 from .runtime.perplexity import PerplexityResult, check_window, perplexity
 from .step_io import KVLayout
+from .verify_artifact import verify_artifact
 
 
 def compile_program(
@@ -132,7 +136,9 @@ def compile_artifact(
     `static_dims`: sizes fixed in the module, e.g. {"batch": 1, "tokens": 16}, a decode step's for tosa). The
     dtype defaults to float32 on cpu and float16 on cuda; the pipeline gets the KV layout the backend runs on the
     target (runtime.backends). `write_extra(directory)` adds files of the caller's to the artifact before it is
-    hashed (the compile cache's key).
+    hashed (the compile cache's key). `verify` checks each pass against the one before and then the built
+    artifact, run by its own executor, against the torch reference (verify_artifact): one that differs beyond
+    its backend's tolerance is refused and nothing is written.
 
     `draft_layers` (K, or several): also compile a self-draft for speculative decoding per K, the model's first K
     decoder layers with its final norm and LM head (the draft_layers pass, first in the same pipeline, backend,
@@ -176,7 +182,10 @@ def compile_artifact(
         loaded.tokenizer.write(directory)
         loaded.module.generation_config.to_json_file(directory / "generation_config.json")
 
-    build = load_symbol(entry.compiler)
+    def build(built: Program, directory: Path | str, **extra: Any) -> Path:
+        """The backend's build of the target's program or a draft's, with this compile's target and options."""
+        return build_checked(entry.name, built, directory, verify=verify, target=target, **extra, **given)
+
     if not drafts:
 
         def write_model_files(directory: Path) -> None:
@@ -184,7 +193,7 @@ def compile_artifact(
             if write_extra is not None:
                 write_extra(directory)
 
-        return build(program, output, target=target, write_extra=write_model_files, **given)
+        return build(program, output, write_extra=write_model_files)
     output = Path(output).expanduser()
     output.parent.mkdir(parents=True, exist_ok=True)
     # built beside the output (same file system: moved into the target's staging directory by a rename)
@@ -197,9 +206,7 @@ def compile_artifact(
                 draft = run_pipeline(capture(loaded), draft_pipeline(pipeline, k), verify=verify)
                 check_same_kv_layout(program, draft)
                 about = {"draft": {"method": "early_exit", "layers": k, "target_layers": program.spec.num_layers}}
-                built[k] = build(
-                    draft, scratch / name, target=target, write_extra=write_tokenizer, manifest_extra=about, **given
-                )
+                built[k] = build(draft, scratch / name, write_extra=write_tokenizer, manifest_extra=about)
                 shown.detail = f"{draft.parameters_numel():,} of {program.parameters_numel():,} parameters"
 
         def write_with_drafts(directory: Path) -> None:
@@ -218,11 +225,18 @@ def compile_artifact(
             }
             for k, path in built.items()
         }
-        return build(
-            program, output, target=target, write_extra=write_with_drafts, manifest_extra={"drafts": listed}, **given
-        )
+        return build(program, output, write_extra=write_with_drafts, manifest_extra={"drafts": listed})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def build_checked(backend: str, program: Program, directory: Path | str, verify: bool, **options: Any) -> Path:
+    """The backend's build of `program` into `directory` (options: target, write_extra, ... and the backend's),
+    its toolkit's errors made one line (backends.failures); with `verify`, the artifact is run against the torch
+    reference before it is moved into place (verify_artifact) and refused, nothing written, when it differs."""
+    check = functools.partial(verify_artifact, program) if verify else None
+    with backend_errors(backend, program):
+        return load_symbol(get_backend(backend).compiler)(program, directory, check_staged=check, **options)
 
 
 def check_same_kv_layout(target: Program, draft: Program) -> None:

@@ -17,6 +17,10 @@ from .errors import LlmlowerError
 from .runtime import EngineConfig
 from .runtime.backends import BACKENDS
 
+VERIFY_HELP = (
+    "check each pass numerically against the one before, then the built artifact, run by its own runtime, against "
+    "the torch reference (refused beyond its backend's tolerance)"
+)
 MODEL_HELP = "a checkpoint directory, a .gguf file, 'example' (SmolLM2-135M-Instruct) or (generate) an artifact"
 
 
@@ -536,7 +540,7 @@ def _add_serving_options(parser: argparse.ArgumentParser, default_seqs: str) -> 
         help=f"tokens proposed per step with --speculative (default {DEFAULT_SPECULATIVE_TOKENS})",
     )
     parser.add_argument("--threads", type=int, default=0, help="artifact: intra-op threads (default: one per core)")
-    parser.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
+    parser.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     _add_pipeline_options(parser)
 
 
@@ -589,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sizes and fixes a decode step unless told (batch=1,tokens=1,context=the model's)",
     )
     comp.add_argument("--block-size", type=int, help="KV block size of a paged artifact (tvm, onnx cuda; default 16)")
-    comp.add_argument("--verify", action="store_true", help="check each pass numerically against the one before")
+    comp.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     comp.add_argument(
         "--draft-layers",
         type=int,

@@ -24,3 +24,13 @@ class GenerationError(LlmlowerError):
 class ArgumentError(LlmlowerError, ValueError):
     """An argument (a command-line flag, an API parameter) has a value outside its range; the message names the
     flag and the value (`--stride 128: ...`)."""
+
+
+class BackendError(LlmlowerError):
+    """A backend's toolkit (torch.onnx, TVM, torch-mlir) failed to build an artifact; the message names the
+    backend and, where it can be found, the node and op it could not lower."""
+
+
+class VerificationError(LlmlowerError):
+    """compile --verify: the built artifact's logits differ from the torch reference's beyond its backend's
+    tolerance; the message names the backend, the step and the error measured against the tolerance."""

@@ -72,10 +72,16 @@ def check_output(directory: str | Path, flag: str = "--output") -> Path:
     return directory
 
 
-def write_artifact(directory: str | Path, write_files: Callable[[Path], None], manifest: dict[str, Any]) -> Path:
-    """Call `write_files(staging_dir)`, hash what it wrote, add manifest.json, then move the directory to
-    `directory` (replacing an existing artifact only once the new one is complete; anything else at `directory`
-    is refused, never replaced)."""
+def write_artifact(
+    directory: str | Path,
+    write_files: Callable[[Path], None],
+    manifest: dict[str, Any],
+    check_staged: Callable[[Path], None] | None = None,
+) -> Path:
+    """Call `write_files(staging_dir)`, hash what it wrote, add manifest.json, call `check_staged(staging_dir)` on
+    the complete artifact (compile --verify runs it there: raising removes it, so a refused artifact never reaches
+    `directory`), then move the directory to `directory` (replacing an existing artifact only once the new one is
+    complete; anything else at `directory` is refused, never replaced)."""
     directory = check_output(directory)
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
@@ -94,6 +100,8 @@ def write_artifact(directory: str | Path, write_files: Callable[[Path], None], m
         for file in [*files, staging / MANIFEST]:
             file.chmod(0o644)  # readable by the service that deploys it, whoever compiled it
         staging.chmod(0o755)
+        if check_staged is not None:
+            check_staged(staging)
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old")
             directory.rename(old)

@@ -124,21 +124,29 @@ def missing_cpu_features(features: Sequence[str], arch: str, flags: set[str] | N
     return [feature for feature in features if feature in table and table[feature] not in flags]
 
 
-def check_host_cpu(artifact: Path, built: Mapping[str, Any], flags: set[str] | None = None) -> None:
-    """Refuse an artifact whose CPU code this machine cannot run: another architecture, or ISA features
-    (CPU_FLAGS) this CPU lacks. Artifacts that record no features, and hosts whose flags are unknown (not
-    Linux), are not checked."""
+def host_cpu_refusal(built: Mapping[str, Any], flags: set[str] | None = None) -> str | None:
+    """Why this machine cannot run CPU code built as `built` says (its triple, cpu and cpu_features): another
+    architecture, or ISA features (CPU_FLAGS) this CPU lacks; None when it can. Builds that record no features,
+    and hosts whose flags are unknown (not Linux), are not checked."""
     features, triple = built.get("cpu_features"), built.get("triple")
     if not features or not triple:
-        return
+        return None
     arch, here = machine_of(triple), _machine(platform.machine())
     cpu = built.get("cpu") or "generic"
     if arch != here:
-        raise ArtifactError(f"{artifact}: its library was built for {arch} (--cpu {cpu}); this machine is {here}")
+        return f"its library was built for {arch} (--cpu {cpu}); this machine is {here}"
     missing = missing_cpu_features(features, arch, flags)
     if missing:
-        raise ArtifactError(
-            f"{artifact}: its library was built for --cpu {cpu}, with instructions this CPU lacks: "
-            f"{', '.join(missing)} (it would stop with SIGILL); recompile it for this machine, or portably with "
+        return (
+            f"its library was built for --cpu {cpu}, with instructions this CPU lacks: {', '.join(missing)} (it "
+            f"would stop with SIGILL); recompile it for this machine, or portably with "
             f"{PORTABLE_CPUS.get(arch, '--cpu generic')}"
         )
+    return None
+
+
+def check_host_cpu(artifact: Path, built: Mapping[str, Any], flags: set[str] | None = None) -> None:
+    """Refuse an artifact whose CPU code this machine cannot run (host_cpu_refusal), naming it."""
+    reason = host_cpu_refusal(built, flags)
+    if reason is not None:
+        raise ArtifactError(f"{artifact}: {reason}")

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import mmap
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -138,6 +139,12 @@ class Executor(ABC):
     def blocks_per_slot(self) -> int | None:
         """SLOTS layout: the blocks of one slot; None for PAGED."""
         return -(-self.max_context // self.block_size) if self.kv_layout is KVLayout.SLOTS else None
+
+    @classmethod
+    def refusal(cls, manifest: Mapping[str, Any]) -> str | None:
+        """Why this machine cannot run an artifact of this executor (None: it can); compile --verify skips such
+        an artifact rather than failing."""
+        return None
 
     @abstractmethod
     def step(self, batch: StepBatch) -> np.ndarray:

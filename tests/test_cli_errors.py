@@ -6,10 +6,14 @@ from it, and copies of the checkpoint whose tokenizer.json is broken; most cases
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from transformers.activations import ACT2FN
 
 from llmlower.cli import main
 
@@ -161,3 +165,45 @@ def test_compile_never_replaces_a_file_or_a_directory_that_is_not_an_artifact(pa
         assert sorted(p.name for p in target.parent.iterdir()) == before  # no staging or .old directory left
     assert Path(paths["T"]).read_text(encoding="utf-8") == TEXT
     assert (Path(paths["D"]) / "readme.md").read_text() == "not a model"
+
+
+@torch.library.custom_op("llmlower_cli_test::wobble", mutates_args=())
+def _wobble(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(x)
+
+
+@_wobble.register_fake
+def _wobble_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class Wobble(torch.nn.Module):
+    """An activation function no backend lowers: a custom op of the test's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llmlower_cli_test.wobble(x)
+
+
+@pytest.fixture()
+def wobbly_llama(tiny_llama, tmp_path, monkeypatch) -> Path:
+    """The tiny Llama with hidden_act "wobble": its MLPs call the custom op, and the captured program with it."""
+    monkeypatch.setitem(ACT2FN, "wobble", Wobble)
+    checkpoint = shutil.copytree(tiny_llama, tmp_path / "wobbly-llama")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "hidden_act": "wobble"}))
+    return checkpoint
+
+
+@pytest.mark.parametrize("backend", ["onnx", "tvm", "mlir"])
+def test_an_op_no_backend_lowers_is_one_line_naming_node_op_and_backend(backend, wobbly_llama, tmp_path, capsys):
+    """Wherever the backend finds it (its own check, or its toolkit's exception at the backend boundary: torch.onnx's
+    "No ONNX function found"), the op is named in one line, without a traceback, and nothing is written."""
+    out = tmp_path / "out"
+    assert main(["compile", str(wobbly_llama), "-o", str(out), "--backend", backend]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    named = rf"error: the {backend} backend cannot lower node wobble\w* \(op llmlower_cli_test\.wobble\.default\)"
+    assert re.match(named, errors[0], re.IGNORECASE), errors[0]
+    assert not out.exists()

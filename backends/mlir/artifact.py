@@ -63,9 +63,11 @@ def build(
     static_dims: dict[str, int] | None = None,
     write_extra: Callable[[Path], None] | None = None,
     manifest_extra: dict[str, Any] | None = None,
+    check_staged: Callable[[Path], None] | None = None,
 ) -> Path:
     """Export `program` to MLIR in `dialect` (sizes fixed by `static_dims`, or a decode step's for a dialect
-    without dynamic sizes) and write it (and whatever `write_extra` adds, e.g. tokenizer files) as an artifact."""
+    without dynamic sizes) and write it (and whatever `write_extra` adds, e.g. tokenizer files) as an artifact;
+    `check_staged` runs on it before it is moved into place (runtime.artifact.write_artifact)."""
     if target not in TARGETS:
         raise LlmlowerError(f"--target {target!r}: the mlir backend builds for {', '.join(TARGETS)}")
     check_options(target, {"dialect": dialect, "static_dims": static_dims})
@@ -107,4 +109,4 @@ def build(
         "weights": {"file": WEIGHTS, "tensors": [tensor_spec(name, w.numpy()) for name, w in weights.items()]},
         **(manifest_extra or {}),
     }
-    return write_artifact(directory, write, manifest)
+    return write_artifact(directory, write, manifest, check_staged)

@@ -46,8 +46,10 @@ def build(
     accuracy_level: int = 4,
     write_extra: Callable[[Path], None] | None = None,
     manifest_extra: dict[str, Any] | None = None,
+    check_staged: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Lower `program`, write it (and whatever `write_extra` adds, e.g. tokenizer files) as an artifact."""
+    """Lower `program`, write it (and whatever `write_extra` adds, e.g. tokenizer files) as an artifact;
+    `check_staged` runs on it before it is moved into place (runtime.artifact.write_artifact)."""
     check_target(target)
     if not program.has_kv_cache:
         raise LlmlowerError("the onnx backend needs a program with a KV cache (the kv_cache pass)")
@@ -83,4 +85,4 @@ def build(
         "weights": {"file": WEIGHTS_FILE, "tensors": external_weights(model)},
         **(manifest_extra or {}),
     }
-    return write_artifact(directory, write, manifest)
+    return write_artifact(directory, write, manifest, check_staged)

@@ -31,8 +31,10 @@ def build(
     cpu: str | None = None,
     write_extra: Callable[[Path], None] | None = None,
     manifest_extra: dict[str, Any] | None = None,
+    check_staged: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Lower and compile `program` for `target` and write it (and whatever `write_extra` adds) as an artifact."""
+    """Lower and compile `program` for `target` and write it (and whatever `write_extra` adds) as an artifact;
+    `check_staged` runs on it before it is moved into place (runtime.artifact.write_artifact)."""
     tvm_tgt = tvm_target(target, cuda_arch, cpu)
     if program.kv_layout is not KVLayout.PAGED:
         raise LlmlowerError("the tvm backend needs a program with a paged KV cache (kv_cache, then paged_attention)")
@@ -78,4 +80,4 @@ def build(
     if device_code is not None:
         source_hash = hashlib.sha256(source.encode()).hexdigest()
         manifest["tvm"]["device_code"] = {"file": DEVICE_CODE, "format": "fatbin", "source_sha256": source_hash}
-    return write_artifact(directory, write, manifest)
+    return write_artifact(directory, write, manifest, check_staged)

@@ -31,6 +31,12 @@ def load_executor(
     cpus = os.cpu_count() or 1
     if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= cpus:
         raise ArgumentError(f"--threads {threads!r}: expected 0 (one per core) to {cpus} (this machine's CPUs)")
+    executor_class = executor_of(artifact, manifest)
+    return executor_class.from_artifact(artifact, manifest, num_blocks, block_size, max_context, threads, weights)
+
+
+def executor_of(artifact: Path, manifest: dict[str, Any]) -> type[Executor]:
+    """The executor class runtime.backends names for the artifact's backend and KV layout (not yet loaded)."""
     backend = BACKENDS.get(manifest.get("backend"))
     layout = manifest.get("kv_layout", {}).get("kind")
     try:
@@ -39,5 +45,4 @@ def load_executor(
         raise ArtifactError(
             f"{artifact / MANIFEST}: backend {manifest.get('backend')!r} with KV layout {layout!r} has no executor here"
         ) from None
-    executor_class = load_symbol(reference, __name__)
-    return executor_class.from_artifact(artifact, manifest, num_blocks, block_size, max_context, threads, weights)
+    return load_symbol(reference, __name__)

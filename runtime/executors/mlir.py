@@ -81,6 +81,11 @@ class MlirLinalgExecutor(SlotExecutor):
         self.all_positions = logits["shape"][1] != 1
 
     @classmethod
+    def refusal(cls, manifest: dict[str, Any]) -> str | None:
+        """A module for other MLIR compilers (another dialect, fixed sizes) does not run here."""
+        return refusal(manifest)
+
+    @classmethod
     def from_artifact(
         cls,
         artifact: Path,

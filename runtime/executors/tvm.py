@@ -34,7 +34,7 @@ from tvm_ffi.libinfo import load_lib_ctypes
 from ...errors import GenerationError
 from ...step_io import KVLayout, pool_names
 from ..artifact import ArtifactError
-from ..cpu_features import check_host_cpu
+from ..cpu_features import check_host_cpu, host_cpu_refusal
 from ..executor import (
     Executor,
     PackedBatch,
@@ -144,6 +144,11 @@ class TvmExecutor(Executor):
         missing = [name for name in self.pools if name not in self.inputs]
         if missing:
             raise GenerationError(f"the step function takes no pools {', '.join(missing)}")
+
+    @classmethod
+    def refusal(cls, manifest: Mapping[str, Any]) -> str | None:
+        """A library built for a CPU this one is not (--cpu) cannot run here."""
+        return host_cpu_refusal(manifest.get("tvm", {}))
 
     @classmethod
     def from_artifact(

@@ -1,0 +1,132 @@
+"""compile --verify runs the built artifact through its own runtime executor beside the torch reference (a prefill
+of three sequences, then greedy decode steps) before it is moved into place: the tiny Llama compiles on each
+backend, and an artifact built by a deliberately wrong lowering (layer 0's RMSNorm scaled by 1.01: a real
+artifact that computes something slightly wrong) is refused in one line naming the backend and the step, with
+nothing at the output path. A cuda artifact, which cannot run here, is not run, saying why."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from onnxscript import opset18 as op
+from tvm import relax
+
+import llmlower.backends.mlir.export as mlir_export
+import llmlower.backends.onnx.lowerings as onnx_lowerings
+import llmlower.backends.tvm.lowerings as tvm_lowerings
+from llmlower import progress
+from llmlower.api import compile_program
+from llmlower.cli import main
+from llmlower.ir import RMS_NORM
+from llmlower.ir.decompositions import decomposition_table
+from llmlower.step_io import KVLayout
+from llmlower.verify_artifact import verify_artifact
+
+WRONG_SCALE = 1.01
+BACKENDS = ["onnx", "tvm", "mlir"]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LLMLOWER_CACHE", str(tmp_path / "cache"))
+
+
+def _compile(model: Path, out: Path, backend: str, *flags: str) -> int:
+    return main(["compile", str(model), "-o", str(out), "--backend", backend, "--verify", *flags])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_verified_artifact_is_written(backend, tiny_llama, tmp_path, capsys):
+    out = tmp_path / backend
+    assert _compile(tiny_llama, out, backend) == 0
+    assert (out / "manifest.json").is_file()
+    shown = capsys.readouterr().err
+    assert f"verify the {backend} artifact against the torch reference" in shown
+    assert "greedy tokens agree at 5 of 5 steps" in shown
+
+
+def _break_onnx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX: the RMSNorm lowering's output scaled by WRONG_SCALE."""
+    right = onnx_lowerings.rms_norm
+
+    def wrong(x, weight, eps: float):
+        return op.Mul(right(x, weight, eps), op.CastLike(op.Constant(value_float=WRONG_SCALE), x))
+
+    monkeypatch.setattr(onnx_lowerings, "rms_norm", wrong)
+
+
+def _break_tvm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TVM: the RMSNorm converter's Relax expression scaled by WRONG_SCALE."""
+    right = tvm_lowerings.CONVERTERS["rms_norm"]
+
+    def wrong(node, importer):
+        normed = right(node, importer)
+        scale = relax.const(WRONG_SCALE, str(node.meta["val"].dtype).removeprefix("torch."))
+        return importer.block_builder.emit(relax.op.multiply(normed, scale))
+
+    monkeypatch.setitem(tvm_lowerings.CONVERTERS, "rms_norm", wrong)
+
+
+def _break_mlir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLIR: RMSNorm's decomposition (the module's only way to compute it) scaled by WRONG_SCALE."""
+    right = RMS_NORM.reference
+
+    def wrong(x, weight, eps: float):
+        return right(x, weight, eps) * WRONG_SCALE
+
+    monkeypatch.setattr(mlir_export, "decomposition_table", lambda: {**decomposition_table(), RMS_NORM.overload: wrong})
+
+
+BREAK = {"onnx": _break_onnx, "tvm": _break_tvm, "mlir": _break_mlir}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_wrong_artifact_is_refused_in_one_line_and_nothing_written(
+    backend, tiny_llama, tmp_path, monkeypatch, capsys
+):
+    BREAK[backend](monkeypatch)
+    (tmp_path / "artifacts").mkdir()
+    out = tmp_path / "artifacts" / backend
+    assert _compile(tiny_llama, out, backend) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    step = r"\(prefill\): logits off by .* > tolerance 0\.0001"
+    pattern = rf"error: the {backend} artifact differs from the torch reference {step}"
+    assert re.match(pattern, errors[0]), errors[0]
+    assert "Traceback" not in err
+    assert not out.exists()
+    assert list(out.parent.iterdir()) == []  # no staging directory left either
+
+
+class Recorder:
+    """A progress reporter keeping each finished stage's description and detail."""
+
+    def __init__(self) -> None:
+        self.finished: list[tuple[str, str]] = []
+
+    def start(self, description: str) -> None:
+        pass
+
+    def finish(self, description: str, seconds: float, detail: str) -> None:
+        self.finished.append((description, detail))
+
+
+def test_a_cuda_artifact_is_not_run_and_says_why(tiny_llama, tmp_path):
+    """A cuda artifact (float16 PagedAttention for ONNX Runtime's CUDA EP) is not run on this CPU: one stage line
+    says the check was skipped and why. (The float16 program is built without --verify: the per-pass check's
+    float32 threshold refuses float16 passes.)"""
+    out = tmp_path / "cuda"
+    assert main(["compile", str(tiny_llama), "-o", str(out), "--target", "cuda"]) == 0
+    _, program = compile_program(tiny_llama, dtype="float16", kv_layout=KVLayout.PAGED, block_size=16)
+    recorder = Recorder()
+    progress.use_reporter(recorder)
+    try:
+        verify_artifact(program, out)
+    finally:
+        progress.use_reporter(None)
+    [(description, detail)] = recorder.finished
+    assert description == "verify the onnx artifact against the torch reference"
+    assert detail == "skipped: a cuda artifact runs on a GPU; verification runs artifacts on this machine's CPU"

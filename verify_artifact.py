@@ -1,0 +1,121 @@
+"""compile --verify's last check: the finished artifact, still in its staging directory, runs through its own
+runtime executor (loaded as Engine.load loads it) beside the torch reference executor on the same Program and
+block tables, over a prefill of sequences of different lengths and greedy decode steps; an artifact whose logits
+differ by more than its backend's tolerance (runtime.backends.Tolerance) is refused, so it is never moved into
+place. Greedy tokens are compared too and reported (within the tolerance they can differ only where the
+reference's top two logits are nearer than twice the tolerance)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .backends.torch import TorchExecutor
+from .backends.torch.executor import DEFAULT_BLOCK_SIZE
+from .errors import VerificationError
+from .ir import Program
+from .progress import stage
+from .runtime.artifact import read_manifest
+from .runtime.backends import get_backend
+from .runtime.executor import Executor, StepBatch, sequential_block_tables
+from .runtime.executors import executor_of, load_executor
+
+PROMPT_LENS = (5, 9, 3)  # the prefill: three sequences of different lengths in one step
+DECODE_STEPS = 4
+FIRST_TOKEN = 5  # prompt token ids are drawn from FIRST_TOKEN up, past the usual special tokens
+
+
+@dataclass(frozen=True)
+class StepDifference:
+    """One step's comparison: its name, the largest |logit difference|, the reference's largest |logit| (at least
+    1) that scales it, and whether every sequence's argmax agrees."""
+
+    step: str
+    difference: float
+    scale: float
+    same_tokens: bool
+
+    @property
+    def error(self) -> float:
+        """The difference relative to the reference's scale (what the tolerance bounds); NaN stays NaN."""
+        return self.difference / self.scale
+
+
+def skip_reason(staging: Path, manifest: dict[str, Any]) -> str | None:
+    """Why this machine cannot run the artifact (a GPU target, a module for other compilers, a library for
+    another CPU), or None."""
+    if manifest["target"] != "cpu":
+        return f"a {manifest['target']} artifact runs on a GPU; verification runs artifacts on this machine's CPU"
+    return executor_of(staging, manifest).refusal(manifest)
+
+
+def executors(program: Program, staging: Path, manifest: dict[str, Any]) -> tuple[Executor, TorchExecutor]:
+    """The artifact's executor (load_executor, as Engine.load uses it) and the torch reference on `program`,
+    each with room for PROMPT_LENS's sequences and the decode steps, in the same blocks."""
+    context = min(max(PROMPT_LENS) + DECODE_STEPS, program.spec.max_positions)
+    block_size = manifest["kv_layout"].get("block_size") or DEFAULT_BLOCK_SIZE
+    num_blocks = len(PROMPT_LENS) * -(-context // block_size)
+    ours = load_executor(staging, manifest, num_blocks, block_size, context)
+    return ours, TorchExecutor(program, context, num_blocks, block_size)
+
+
+def compared_steps(ours: Executor, reference: TorchExecutor, vocab: int) -> Iterator[StepDifference]:
+    """The prefill of PROMPT_LENS's sequences (random token ids, seed 0), then DECODE_STEPS decode steps each
+    feeding both executors the reference's greedy tokens, compared step by step on the same block tables."""
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(min(FIRST_TOKEN, vocab - 1), vocab, n).tolist() for n in PROMPT_LENS]
+    tables = sequential_block_tables(ours, [n + DECODE_STEPS for n in PROMPT_LENS])
+    past = [0] * len(PROMPT_LENS)
+    for step in range(DECODE_STEPS + 1):
+        batch = StepBatch(tokens, past, tables)
+        expected, got = reference.step(batch), ours.step(batch)
+        yield StepDifference(
+            "prefill" if step == 0 else f"decode step {step}",
+            float(np.abs(got - expected).max()),
+            max(1.0, float(np.abs(expected).max())),
+            bool((got.argmax(-1) == expected.argmax(-1)).all()),
+        )
+        past = [p + len(t) for p, t in zip(past, tokens, strict=True)]
+        tokens = [[int(row.argmax())] for row in expected]
+
+
+def rounds_activations(program: Program, manifest: dict[str, Any]) -> bool:
+    """Whether the artifact's quantized matmuls round their activations: an accuracy_level above 0 in its
+    backend's manifest entry (ONNX Runtime's MatMulNBits then quantizes activations to int8 per block); the other
+    backends dequantize the weights and compute in the artifact's dtype."""
+    quantized = any(record.name == "quantize_weights" for record in program.history)
+    return quantized and manifest.get(manifest["backend"], {}).get("accuracy_level", 0) > 0
+
+
+def verify_artifact(program: Program, staging: Path) -> None:
+    """Run the artifact in `staging` (complete, manifest included) against the torch reference on `program`,
+    the Program it was built from; raise VerificationError naming the backend, the first step whose error exceeds
+    the tolerance, the error and the tolerance. An artifact this machine cannot run is skipped, saying why."""
+    manifest = read_manifest(staging)
+    backend = manifest["backend"]
+    with stage(f"verify the {backend} artifact against the torch reference") as shown:
+        reason = skip_reason(staging, manifest)
+        if reason is not None:
+            shown.detail = f"skipped: {reason}"
+            return
+        tolerance = get_backend(backend).tolerance.of(manifest["dtype"], rounds_activations(program, manifest))
+        ours, reference = executors(program, staging, manifest)
+        steps = []
+        for compared in compared_steps(ours, reference, program.spec.vocab_size):
+            if not compared.error <= tolerance:  # NaN fails too
+                raise VerificationError(
+                    f"the {backend} artifact differs from the torch reference ({compared.step}): logits off by "
+                    f"{compared.error:.3g} of their scale (max |difference| {compared.difference:.3g}, largest "
+                    f"|logit| {compared.scale:.3g}) > tolerance {tolerance:g}; nothing written"
+                )
+            steps.append(compared)
+        worst = max(steps, key=lambda s: s.error)
+        agree = sum(s.same_tokens for s in steps)
+        shown.detail = (
+            f"largest error {worst.error:.2g} ({worst.step}; tolerance {tolerance:g}), greedy tokens agree at {agree} "
+            f"of {len(steps)} steps"
+        )
