@@ -9,9 +9,14 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+import transformers
 
+from llmlower.api import compile_artifact
 from llmlower.backends.onnx.lowerings import translations
+from llmlower.frontend import capture, load
 from llmlower.ir import ATTENTION
+from llmlower.passes import run_pipeline
+from llmlower.runtime import Engine, SamplingParams, Tokenizer
 
 HEADS, KV_HEADS, DK, CONTEXT = 4, 2, 8, 16
 MIXED = ([0, 5, 9], [4, 2, 1])  # past_lens, input_lens: a prompt, a chunk after a past, a decode (padded to 4)
@@ -124,3 +129,46 @@ def test_onnx_lowering_matches_the_reference(softcap, sinks, dv, step):
     for ours, theirs in zip(got[1:], expected[1:], strict=True):
         for b, total in enumerate(np.add(*step)):
             np.testing.assert_allclose(ours[b, :, :total], theirs[b, :, :total].numpy(), atol=1e-6)
+
+
+# ---------------------------------------------------------------- Gemma 2 as a whole
+
+PROMPTS = ["The quick brown fox", "def add(a, b):\n    return", "caches hold keys and values " * 3]
+
+
+@pytest.fixture(scope="module")
+def gemma2_expected(tiny_checkpoints) -> list[list[int]]:
+    """transformers' own greedy tokens for PROMPTS, with its eager attention (the implementation Gemma 2 asks
+    for: soft-capping, alternating sliding windows)."""
+    path = tiny_checkpoints["gemma2"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    tokenizer = Tokenizer.from_dir(path)
+    expected = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=True)])
+        out = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=4, pad_token_id=0)
+        expected.append(out[0, ids.shape[1] :].tolist())
+    return expected
+
+
+def test_gemma2_loads_with_the_capture_and_its_ops_carry_the_extras(tiny_checkpoints):
+    """Gemma 2 refuses SDPA: it loads with llmlower's attention, and every layer's `attention` carries the scale
+    1/sqrt(query_pre_attn_scalar), the softcap and the config's alternating windows."""
+    loaded = load(tiny_checkpoints["gemma2"])
+    assert loaded.module.config._attn_implementation == "llmlower"
+    program = run_pipeline(capture(loaded), ["canonicalize", "kv_cache"])
+    calls = [n for n in program.graph_module.graph.nodes if n.target is ATTENTION.overload]
+    config = loaded.module.config
+    assert [n.args[8] for n in calls] == [program.spec.window_for_layer(i) for i in range(len(calls))] == [6, 0]
+    assert {(n.args[7], n.args[9]) for n in calls} == {(config.query_pre_attn_scalar**-0.5, 1.0)}
+
+
+@pytest.mark.parametrize("backend", ["onnx", "tvm", "mlir"])
+def test_gemma2_greedy_tokens_equal_transformers_eager_generate(backend, tiny_checkpoints, gemma2_expected, tmp_path):
+    """Three sequences at once, the longest prompt (past the window of 6) split into chunks of at most 16 tokens:
+    the artifact's greedy tokens are transformers' own."""
+    out = compile_artifact(tiny_checkpoints["gemma2"], tmp_path / backend, backend=backend)
+    engine = Engine.load(out, max_num_seqs=3, max_context=64, max_num_batched_tokens=16)
+    results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10), chat=False)
+    assert len(results[2].prompt_token_ids) > 16  # the long prompt took more than one chunk
+    assert [r.token_ids for r in results] == gemma2_expected
