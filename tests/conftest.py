@@ -57,6 +57,10 @@ TINY_CONFIGS = {
         attn_logit_softcapping=1.0,
         final_logit_softcapping=5.0,
     ),
+    # attention sinks, windows 6 / full; two experts (MoE: compiles once an experts capture exists)
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **{**COMMON, "intermediate_size": 64}, head_dim=16, sliding_window=6, num_local_experts=2, num_experts_per_tok=1
+    ),
     "gpt2": lambda: transformers.GPT2Config(  # learned positions, MHA, Conv1D
         vocab_size=VOCAB,
         n_embd=64,

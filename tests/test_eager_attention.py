@@ -5,6 +5,8 @@ against transformers' own eager generate."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -13,6 +15,7 @@ import transformers
 
 from llmlower.api import compile_artifact
 from llmlower.backends.onnx.lowerings import translations
+from llmlower.errors import CaptureError
 from llmlower.frontend import capture, load
 from llmlower.ir import ATTENTION
 from llmlower.passes import run_pipeline
@@ -172,3 +175,48 @@ def test_gemma2_greedy_tokens_equal_transformers_eager_generate(backend, tiny_ch
     results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10), chat=False)
     assert len(results[2].prompt_token_ids) > 16  # the long prompt took more than one chunk
     assert [r.token_ids for r in results] == gemma2_expected
+
+
+# ---------------------------------------------------------------- gpt-oss on the torch reference path
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tiny_checkpoint_writer, tmp_path_factory) -> Path:
+    """conftest's tiny gpt-oss with sink logits large enough to matter."""
+    directory = tiny_checkpoint_writer("gpt_oss", tmp_path_factory.mktemp("gpt_oss"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_gpt_oss_sinks_reach_attention_and_match_transformers_eager(gpt_oss):
+    """gpt-oss refuses SDPA: captured with llmlower's attention, its sinks reach every `attention`, and a prompt
+    then a decode step on the rewritten program give transformers' eager logits (which the sinks change)."""
+    loaded = load(gpt_oss)
+    program = run_pipeline(capture(loaded), ["canonicalize", "kv_cache"], verify=True)
+    calls = [n for n in program.graph_module.graph.nodes if n.target is ATTENTION.overload]
+    assert all(n.args[10] is not None for n in calls) and [n.args[8] for n in calls] == [6, 0]
+    eager = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss, attn_implementation="eager").eval()
+    tokens = torch.arange(5, 17)[None]
+    with torch.no_grad():
+        expected = eager(input_ids=tokens).logits[0]
+        for layer in eager.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)  # no sinks: a different model
+        assert (eager(input_ids=tokens).logits[0] - expected).abs().max() > 1e-2
+    spec = program.spec
+    caches = {t.name: torch.zeros(1, spec.num_kv_heads, 16, spec.head_dim) for t in program.inputs[4:]}
+    prompt = dict(input_ids=tokens[:, :11], position_ids=torch.arange(11)[None], past_lens=torch.tensor([0]))
+    out = program(**prompt, input_lens=torch.tensor([11]), **caches)
+    torch.testing.assert_close(out["logits"][0], expected[:11], atol=1e-4, rtol=0)
+    caches = {name: out[name] for name in caches}
+    decode = dict(input_ids=tokens[:, 11:], position_ids=torch.tensor([[11]]), past_lens=torch.tensor([11]))
+    out = program(**decode, input_lens=torch.tensor([1]), **caches)
+    torch.testing.assert_close(out["logits"][0, 0], expected[11], atol=1e-4, rtol=0)
+
+
+def test_an_unknown_attention_keyword_is_refused_naming_it_and_the_model(tiny_checkpoints):
+    loaded = load(tiny_checkpoints["gemma2"])
+    with pytest.raises(CaptureError, match=r"^gemma2: attention keyword position_bias=0\.5 has no counterpart"):
+        loaded.module(input_ids=torch.tensor([[5, 6, 7]]), position_bias=0.5)
