@@ -22,7 +22,13 @@ from ..ir import CAUSAL_ATTENTION
 
 IMPLEMENTATION = "llmlower"
 # keywords the models pass that do not change what the op computes, each with the value that means so
-NEUTRAL = {"dropout": 0.0, "is_causal": True, "output_attentions": False}
+NEUTRAL = {
+    "dropout": 0.0,
+    "is_causal": True,
+    "output_attentions": False,
+    "use_cache": False,  # the capture has no cache: kv_cache adds one
+    "output_router_logits": False,  # MoE models' flag, carried down to every layer
+}
 # passed on by the decoder layers whatever the attention: the positions that rotary already used (each captured row
 # is one sequence in order, so they mark no packed-sequence boundary the op would have to respect)
 PASSED_ON = {"position_ids"}

@@ -81,15 +81,22 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
+def _extras(args: list[Any], softcap_at: int, v_cache: torch.Tensor) -> dict[str, Any]:
+    """The attention cost's value head size (the value cache's) and whether the logits are soft-capped."""
+    return dict(value_head_dim=v_cache.shape[-1], softcap=len(args) > softcap_at and bool(args[softcap_at]))
+
+
 def _attention(args: list[Any]) -> dict[str, int]:
     q, k_cache = args[0], args[3]
     batch, heads, tokens, head_dim = q.shape
-    return dict(batch=batch, tokens=tokens, heads=heads, kv_heads=k_cache.shape[1], head_dim=head_dim)
+    shape = dict(batch=batch, tokens=tokens, heads=heads, kv_heads=k_cache.shape[1], head_dim=head_dim)
+    return shape | _extras(args, 9, args[4])
 
 
 def _qkv_attention(args: list[Any]) -> dict[str, int]:
     qkv, k_cache = args[0], args[1]
-    return dict(batch=qkv.shape[0], tokens=qkv.shape[1], heads=args[7], kv_heads=args[8], head_dim=k_cache.shape[-1])
+    shape = dict(batch=qkv.shape[0], tokens=qkv.shape[1], heads=args[7], kv_heads=args[8], head_dim=k_cache.shape[-1])
+    return shape | _extras(args, 11, args[2])
 
 
 # The llm op set: each op's cost-formula arguments from its call's argument values.

@@ -5,13 +5,21 @@ against transformers' own eager generate."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+import transformers
 
+from llmlower.api import compile_artifact
 from llmlower.backends.onnx.lowerings import translations
+from llmlower.errors import CaptureError
+from llmlower.frontend import capture, load
 from llmlower.ir import ATTENTION
+from llmlower.passes import run_pipeline
+from llmlower.runtime import Engine, SamplingParams, Tokenizer
 
 HEADS, KV_HEADS, DK, CONTEXT = 4, 2, 8, 16
 MIXED = ([0, 5, 9], [4, 2, 1])  # past_lens, input_lens: a prompt, a chunk after a past, a decode (padded to 4)
@@ -124,3 +132,91 @@ def test_onnx_lowering_matches_the_reference(softcap, sinks, dv, step):
     for ours, theirs in zip(got[1:], expected[1:], strict=True):
         for b, total in enumerate(np.add(*step)):
             np.testing.assert_allclose(ours[b, :, :total], theirs[b, :, :total].numpy(), atol=1e-6)
+
+
+# ---------------------------------------------------------------- Gemma 2 as a whole
+
+PROMPTS = ["The quick brown fox", "def add(a, b):\n    return", "caches hold keys and values " * 3]
+
+
+@pytest.fixture(scope="module")
+def gemma2_expected(tiny_checkpoints) -> list[list[int]]:
+    """transformers' own greedy tokens for PROMPTS, with its eager attention (the implementation Gemma 2 asks
+    for: soft-capping, alternating sliding windows)."""
+    path = tiny_checkpoints["gemma2"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    tokenizer = Tokenizer.from_dir(path)
+    expected = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=True)])
+        out = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=4, pad_token_id=0)
+        expected.append(out[0, ids.shape[1] :].tolist())
+    return expected
+
+
+def test_gemma2_loads_with_the_capture_and_its_ops_carry_the_extras(tiny_checkpoints):
+    """Gemma 2 refuses SDPA: it loads with llmlower's attention, and every layer's `attention` carries the scale
+    1/sqrt(query_pre_attn_scalar), the softcap and the config's alternating windows."""
+    loaded = load(tiny_checkpoints["gemma2"])
+    assert loaded.module.config._attn_implementation == "llmlower"
+    program = run_pipeline(capture(loaded), ["canonicalize", "kv_cache"])
+    calls = [n for n in program.graph_module.graph.nodes if n.target is ATTENTION.overload]
+    config = loaded.module.config
+    assert [n.args[8] for n in calls] == [program.spec.window_for_layer(i) for i in range(len(calls))] == [6, 0]
+    assert {(n.args[7], n.args[9]) for n in calls} == {(config.query_pre_attn_scalar**-0.5, 1.0)}
+
+
+@pytest.mark.parametrize("backend", ["onnx", "tvm", "mlir"])
+def test_gemma2_greedy_tokens_equal_transformers_eager_generate(backend, tiny_checkpoints, gemma2_expected, tmp_path):
+    """Three sequences at once, the longest prompt (past the window of 6) split into chunks of at most 16 tokens:
+    the artifact's greedy tokens are transformers' own."""
+    out = compile_artifact(tiny_checkpoints["gemma2"], tmp_path / backend, backend=backend)
+    engine = Engine.load(out, max_num_seqs=3, max_context=64, max_num_batched_tokens=16)
+    results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10), chat=False)
+    assert len(results[2].prompt_token_ids) > 16  # the long prompt took more than one chunk
+    assert [r.token_ids for r in results] == gemma2_expected
+
+
+# ---------------------------------------------------------------- gpt-oss on the torch reference path
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tiny_checkpoint_writer, tmp_path_factory) -> Path:
+    """conftest's tiny gpt-oss with sink logits large enough to matter."""
+    directory = tiny_checkpoint_writer("gpt_oss", tmp_path_factory.mktemp("gpt_oss"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_gpt_oss_sinks_reach_attention_and_match_transformers_eager(gpt_oss):
+    """gpt-oss refuses SDPA: captured with llmlower's attention, its sinks reach every `attention`, and a prompt
+    then a decode step on the rewritten program give transformers' eager logits (which the sinks change)."""
+    loaded = load(gpt_oss)
+    program = run_pipeline(capture(loaded), ["canonicalize", "kv_cache"], verify=True)
+    calls = [n for n in program.graph_module.graph.nodes if n.target is ATTENTION.overload]
+    assert all(n.args[10] is not None for n in calls) and [n.args[8] for n in calls] == [6, 0]
+    eager = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss, attn_implementation="eager").eval()
+    tokens = torch.arange(5, 17)[None]
+    with torch.no_grad():
+        expected = eager(input_ids=tokens).logits[0]
+        for layer in eager.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)  # no sinks: a different model
+        assert (eager(input_ids=tokens).logits[0] - expected).abs().max() > 1e-2
+    spec = program.spec
+    caches = {t.name: torch.zeros(1, spec.num_kv_heads, 16, spec.head_dim) for t in program.inputs[4:]}
+    prompt = dict(input_ids=tokens[:, :11], position_ids=torch.arange(11)[None], past_lens=torch.tensor([0]))
+    out = program(**prompt, input_lens=torch.tensor([11]), **caches)
+    torch.testing.assert_close(out["logits"][0], expected[:11], atol=1e-4, rtol=0)
+    caches = {name: out[name] for name in caches}
+    decode = dict(input_ids=tokens[:, 11:], position_ids=torch.tensor([[11]]), past_lens=torch.tensor([11]))
+    out = program(**decode, input_lens=torch.tensor([1]), **caches)
+    torch.testing.assert_close(out["logits"][0, 0], expected[11], atol=1e-4, rtol=0)
+
+
+def test_an_unknown_attention_keyword_is_refused_naming_it_and_the_model(tiny_checkpoints):
+    loaded = load(tiny_checkpoints["gemma2"])
+    with pytest.raises(CaptureError, match=r"^gemma2: attention keyword position_bias=0\.5 has no counterpart"):
+        loaded.module(input_ids=torch.tensor([[5, 6, 7]]), position_bias=0.5)

@@ -22,9 +22,11 @@ from onnx.reference.op_run import OpRun
 
 from llmlower.api import compile_program
 from llmlower.backends.onnx import LoweringError, to_onnx
+from llmlower.backends.onnx.lowerings import translations
 from llmlower.backends.torch import TorchExecutor
 from llmlower.cli import main
 from llmlower.errors import GenerationError
+from llmlower.ir import PAGED_ATTENTION
 from llmlower.passes import DEFAULT_PIPELINE
 from llmlower.runtime import Engine, StepBatch
 from llmlower.runtime.artifact import read_manifest
@@ -120,14 +122,18 @@ class PagedAttention(OpRun):
     """com.microsoft.PagedAttention as its schema documents it: the step's tokens packed (cumulative
     sequence lengths), token t of sequence b at position past_seqlens[b] + t, its k/v written into
     block block_table[b, position // block_size] at offset position % block_size, then causal attention
-    over the sequence's positions, grouped kv heads, float32 softmax."""
+    over the sequence's positions, grouped kv heads, float32 softmax; softcap caps the scaled logits at
+    softcap * tanh(logit / softcap), head_sink adds each head's sink logit to the softmax denominator only."""
 
     op_domain = "com.microsoft"
 
-    def _run(self, query, key, value, key_cache, value_cache, cumulative, past, block_table, cos=None, sin=None, **a):
+    def _run(
+        self, query, key, value, key_cache, value_cache, cumulative, past, block_table, cos=None, sin=None,
+        slot_mapping=None, head_sink=None, **a,
+    ):  # fmt: skip
         heads, kv_heads = a["num_heads"], a["kv_num_heads"]
-        window = a.get("local_window_size", -1)
-        assert not a.get("rotary_interleaved", 0) and not a.get("softcap", 0.0)
+        window, softcap = a.get("local_window_size", -1), a.get("softcap", 0.0)
+        assert not a.get("rotary_interleaved", 0) and slot_mapping is None
         assert cumulative.dtype == past.dtype == block_table.dtype == np.int32
         tokens = query.shape[0]
         if key is None:  # packed qkv
@@ -157,12 +163,16 @@ class PagedAttention(OpRun):
             group = heads // kv_heads
             k_seq, v_seq = np.repeat(k_seq, group, axis=1), np.repeat(v_seq, group, axis=1)  # [keys, heads, D]
             scores = np.einsum("thd,khd->htk", qb, k_seq) * scale
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
             allowed = keys[None, :] <= positions[:, None]
             if window > 0:
                 allowed &= keys[None, :] > positions[:, None] - window
             scores = np.where(allowed[None], scores, -np.inf)
-            weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            weights /= weights.sum(axis=-1, keepdims=True)
+            top = scores.max(axis=-1, keepdims=True)
+            weights = np.exp(scores - top)
+            sink = 0.0 if head_sink is None else np.exp(head_sink.astype(np.float32)[:, None, None] - top)
+            weights /= weights.sum(axis=-1, keepdims=True) + sink
             out[start:end] = np.einsum("htk,khd->thd", weights, v_seq)
         return out.reshape(tokens, heads * head_dim).astype(query.dtype), key_cache, value_cache
 
@@ -329,3 +339,46 @@ def test_cuda_executor_matches_the_torch_reference(artifact, reference_program):
         np.testing.assert_allclose(value.numpy().astype(np.float32), theirs.caches[name].float().numpy(), atol=1e-2)
     batch = StepBatch([[21], [22]], [31, 20], [[7, 6], [7, 8]])
     np.testing.assert_allclose(ours.step(batch), theirs.step(batch), atol=3e-2, rtol=0)
+
+
+class _PagedAttention(torch.nn.Module):
+    """One `paged_attention` call as a module, to export it alone."""
+
+    def __init__(self, softcap: float, sinks: torch.Tensor | None) -> None:
+        super().__init__()
+        self.softcap = softcap
+        self.sinks = None if sinks is None else torch.nn.Buffer(sinks)
+
+    def forward(self, q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens):
+        args = (q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens, 0.3, 3, self.softcap, self.sinks)
+        return PAGED_ATTENTION.op(*args)
+
+
+@pytest.mark.parametrize(("softcap", "sinks"), [(1.5, False), (0.0, True), (1.5, True)])
+def test_paged_onnx_lowering_carries_softcap_and_sinks(softcap, sinks):
+    """PagedAttention (CUDA only, float16) gets the softcap attribute and the head_sink input; its graph,
+    evaluated with the Python PagedAttention above, gives the op's torch reference."""
+    gen = torch.Generator().manual_seed(0)
+    block, blocks, past, lens = 4, 12, [5, 0], [1, 6]
+    args = (
+        3 * torch.randn(1, HEADS, sum(lens), HEAD_DIM, generator=gen),
+        torch.randn(1, KV_HEADS, sum(lens), HEAD_DIM, generator=gen),
+        torch.randn(1, KV_HEADS, sum(lens), HEAD_DIM, generator=gen),
+        torch.randn(blocks, block, KV_HEADS, HEAD_DIM, generator=gen),
+        torch.randn(blocks, block, KV_HEADS, HEAD_DIM, generator=gen),
+        torch.tensor([[7, 2], [9, 3]]),
+        torch.tensor(past),
+        torch.tensor(lens),
+    )
+    args = tuple(a.half() if a.is_floating_point() else a for a in args)
+    module = _PagedAttention(softcap, torch.randn(HEADS, generator=gen).half() if sinks else None)
+    exported = torch.onnx.export(
+        torch.export.export(module, args), custom_translation_table=translations(), dynamo=True, verbose=False
+    ).model_proto
+    node = next(n for n in exported.graph.node if n.op_type == "PagedAttention")
+    assert {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}.get("softcap", 0.0) == softcap
+    assert (len(node.input) == 12 and node.input[11] != "") == sinks
+    evaluator = ReferenceEvaluator(exported, new_ops=[PagedAttention])
+    got = evaluator.run(None, {i.name: a.numpy() for i, a in zip(exported.graph.input, args, strict=True)})
+    expected = module(*args)
+    np.testing.assert_allclose(got[0].astype(np.float32), expected[0].float().numpy(), atol=2e-3)

@@ -25,7 +25,11 @@ class LoweringError(LlmlowerError):
 
 
 PAGED_OPS = (PAGED_ATTENTION.overload, PAGED_QKV_ATTENTION.overload)
-FUSED_QKV_OPS = (QKV_ATTENTION.overload, PAGED_QKV_ATTENTION.overload)  # caches at arguments 1 and 2
+CACHE_ARGUMENTS = {
+    PAGED_ATTENTION.overload: (3, 5),
+    QKV_ATTENTION.overload: (1, 3),
+    PAGED_QKV_ATTENTION.overload: (1, 3),
+}
 
 
 def _activation_dtype(node: torch.fx.Node, program: Program) -> str:
@@ -35,14 +39,15 @@ def _activation_dtype(node: torch.fx.Node, program: Program) -> str:
 
 
 def _head_sizes(node: torch.fx.Node) -> set[int]:
-    """The key and value head sizes of a fused-qkv attention node (its caches' last dimensions)."""
-    return {int(cache.meta["val"].shape[-1]) for cache in node.args[1:3] if "val" in cache.meta}
+    """The key and value head sizes of an attention node (its caches' or pools' last dimensions)."""
+    first, end = CACHE_ARGUMENTS[node.target]
+    return {int(cache.meta["val"].shape[-1]) for cache in node.args[first:end] if "val" in cache.meta}
 
 
 def check_lowerable(program: Program) -> None:
     """Fail before exporting when an op of the set has no ONNX lowering, a paged attention runs in a type
-    ONNX Runtime's PagedAttention lacks, or a fused qkv projection holds values of a head size of their own
-    (ONNX Runtime's ops rotate a packed qkv of one head size), naming the node."""
+    ONNX Runtime's PagedAttention lacks, or keys and values have head sizes of their own where ONNX Runtime's
+    op takes one (a packed qkv; PagedAttention's v_head_size is for its latent layout only), naming the node."""
     ours = {opdef.overload for opdef in OPS.values()}
     lowered = translations()
     for node in program.graph_module.graph.nodes:
@@ -55,11 +60,10 @@ def check_lowerable(program: Program) -> None:
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}) in {dtype}: ONNX Runtime's "
                 "PagedAttention (CUDA) runs float16 here; compile for --target cuda (float16 by default)"
             )
-        if node.target in FUSED_QKV_OPS and len(_head_sizes(node)) > 1:
+        if node.target in CACHE_ARGUMENTS and len(_head_sizes(node)) > 1:
             raise LoweringError(
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}): its keys and values have "
-                "head sizes of their own, and ONNX Runtime's packed-qkv attention takes one; leave out "
-                "fuse_qkv_attention"
+                "head sizes of their own, which ONNX Runtime's packed-qkv and paged attention take in one size only"
             )
 
 

@@ -24,12 +24,12 @@ from ...ir import (
     SILU_MUL,
 )
 from . import paged_lowerings
+from .paged_lowerings import attention_extras
 from .schemas import ensure_schema
 
 MSFT = onnxscript.values.Opset("com.microsoft", 1)
 INT32 = onnxscript.onnx_types.INT32.dtype
 INT64_MAX = 9223372036854775807
-HEAD_SINK = 11  # GroupQueryAttention's input index of the per-head sink logits
 
 ensure_schema("com.microsoft", "GroupQueryAttention", outputs=3)  # no output_qk
 ensure_schema("com.microsoft", "SkipSimplifiedLayerNormalization")
@@ -51,14 +51,6 @@ def _sequence_lengths(past_lens, input_lens):
     return seqlens_k, op.Cast(op.ReduceMax(totals, keepdims=0), to=INT32)
 
 
-def _extras(given: int, softcap: float, sinks, like) -> tuple[list, dict]:
-    """GroupQueryAttention's inputs after the `given` first ones up to head_sink (input 11, the sinks in the
-    activations' type), and its softcap attribute; nothing for extras that are off, so that a model without
-    them gets the node it always had. onnxruntime 1.31's CPU kernel takes both (tests/test_eager_attention.py)."""
-    inputs = [] if sinks is None else [None] * (HEAD_SINK - given) + [op.CastLike(sinks, like)]
-    return inputs, {"softcap": float(softcap)} if softcap else {}
-
-
 def attention(
     q, k, v, k_cache, v_cache, past_lens, input_lens, scale: float, window: int = 0, softcap: float = 0.0, sinks=None
 ):
@@ -68,7 +60,7 @@ def attention(
     heads, head_dim = q.shape[1], q.shape[3]
     if v.shape[3] != head_dim:
         return _decomposed_attention(q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks)
-    tail, softcapping = _extras(7, softcap, sinks, q)
+    tail, softcapping = attention_extras(7, softcap, sinks, q)
     out, k_present, v_present = MSFT.GroupQueryAttention(
         _heads_first_to_packed(q),
         _heads_first_to_packed(k),
@@ -179,7 +171,7 @@ def qkv_attention(
 ):
     """One GroupQueryAttention on the packed projection, rotating q and k itself (do_rotary): it derives each
     token's position from the sequence lengths as the op does (past_lens + t)."""
-    tail, softcapping = _extras(9, softcap, sinks, qkv)
+    tail, softcapping = attention_extras(9, softcap, sinks, qkv)
     return MSFT.GroupQueryAttention(
         qkv,
         None,

@@ -19,6 +19,7 @@ from .schemas import ensure_schema
 
 MSFT = onnxscript.values.Opset("com.microsoft", 1)
 INT32 = onnxscript.onnx_types.INT32.dtype
+HEAD_SINK = 11  # GroupQueryAttention's and PagedAttention's input index of the per-head sink logits
 PAGED_DTYPES = ("float16",)  # PagedAttention also takes bfloat16; llmlower's CUDA executor keeps float16 pools
 
 ensure_schema("com.microsoft", "PagedAttention", outputs=3)  # output, key_cache_out, value_cache_out
@@ -30,6 +31,15 @@ def _sequence_metadata(block_tables, past_lens, input_lens):
     return op.Cast(cumulative, to=INT32), op.Cast(past_lens, to=INT32), op.Cast(block_tables, to=INT32)
 
 
+def attention_extras(given: int, softcap: float, sinks, like) -> tuple[list, dict]:
+    """The inputs after the `given` first ones up to head_sink (input 11 of both GroupQueryAttention and
+    PagedAttention: the sinks in the activations' type), and the softcap attribute; nothing for extras that are
+    off, so that a model without them gets the node it always had. onnxruntime 1.31's CPU GroupQueryAttention
+    takes both (tests/test_eager_attention.py)."""
+    inputs = [] if sinks is None else [None] * (HEAD_SINK - given) + [op.CastLike(sinks, like)]
+    return inputs, {"softcap": float(softcap)} if softcap else {}
+
+
 def _window(window: int) -> int:
     return window if window > 0 else -1  # as GroupQueryAttention's local_window_size in lowerings.py
 
@@ -39,9 +49,23 @@ def _rows(x, heads: int, head_dim: int):
     return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), op.Constant(value_ints=[-1, heads * head_dim]))
 
 
-def paged_attention(q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens, scale: float, window: int = 0):
+def paged_attention(
+    q,
+    k,
+    v,
+    k_pool,
+    v_pool,
+    block_tables,
+    past_lens,
+    input_lens,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks=None,
+):
     """One PagedAttention on q, k, v already rotated: heads-first [1, heads, tokens, head_dim] in and out."""
     heads, head_dim, kv_heads = q.shape[1], q.shape[3], k.shape[1]
+    tail, softcapping = attention_extras(8, softcap, sinks, q)
     out, k_pool, v_pool = MSFT.PagedAttention(
         _rows(q, heads, head_dim),
         _rows(k, kv_heads, head_dim),
@@ -49,10 +73,12 @@ def paged_attention(q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens
         k_pool,
         v_pool,
         *_sequence_metadata(block_tables, past_lens, input_lens),
+        *tail,
         num_heads=heads,
         kv_num_heads=kv_heads,
         scale=scale,
         local_window_size=_window(window),
+        **softcapping,
     )
     out = op.Reshape(out, op.Constant(value_ints=[1, -1, heads, head_dim]))
     return op.Transpose(out, perm=[0, 2, 1, 3]), k_pool, v_pool
@@ -71,12 +97,15 @@ def paged_qkv_attention(
     kv_heads: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks=None,
 ):
     """One PagedAttention on the packed projection [1, tokens, (heads + 2 kv_heads) head_dim], rotating q and k
     itself (do_rotary with the [positions, head_dim / 2] tables); returns [1, tokens, heads * head_dim]."""
     width = qkv.shape[2]
     if cos_table.dtype != qkv.dtype:  # the op reads its rotary tables in the activations' type
         cos_table, sin_table = op.CastLike(cos_table, qkv), op.CastLike(sin_table, qkv)
+    tail, softcapping = attention_extras(10, softcap, sinks, qkv)
     out, k_pool, v_pool = MSFT.PagedAttention(
         op.Reshape(qkv, op.Constant(value_ints=[-1, width])),
         None,
@@ -86,10 +115,12 @@ def paged_qkv_attention(
         *_sequence_metadata(block_tables, past_lens, input_lens),
         cos_table,
         sin_table,
+        *tail,
         num_heads=heads,
         kv_num_heads=kv_heads,
         scale=scale,
         local_window_size=_window(window),
         do_rotary=1,
+        **softcapping,
     )
     return op.Unsqueeze(out, op.Constant(value_ints=[0])), k_pool, v_pool
