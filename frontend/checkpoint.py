@@ -171,7 +171,7 @@ def spec_from_config(
         hidden_size=hidden,
         intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
         vocab_size=config.vocab_size,
-        max_positions=config.max_position_embeddings,
+        max_positions=_max_positions(config),
         dtype=dtype,
         rope=dict(rope) if rope else None,
         sliding_window=getattr(config, "sliding_window", None),
@@ -182,6 +182,17 @@ def spec_from_config(
         pad_token_id=_first(generation.get("pad_token_id"), getattr(config, "pad_token_id", None)),
         chat_template=tokenizer.chat_template,
     )
+
+
+def _max_positions(config: transformers.PretrainedConfig) -> int:
+    """The longest context the model was made for; a config without one (ALiBi models such as Bloom) is refused."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is None:
+        raise CheckpointError(
+            f"{config.model_type}: the config has no max_position_embeddings (positions without a limit, e.g. "
+            "ALiBi, are not supported yet)"
+        )
+    return int(positions)
 
 
 def _first(*values: Any) -> int | None:

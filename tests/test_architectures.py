@@ -21,7 +21,7 @@ PROMPTS = [
 ]
 NEW_TOKENS = 8
 BACKENDS = ["onnx", "tvm", "mlir"]
-FAMILIES = ["mixtral", "qwen3_moe"]
+FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")
