@@ -3,14 +3,20 @@ checkpoint directories with a small byte-level BPE tokenizer) and the real SmolL
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
+import socket
 import struct
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import transformers
@@ -134,6 +140,44 @@ def write_tiny_checkpoint(arch: str, directory: Path, **config: object) -> Path:
     config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": CHATML}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_artifact(artifact: Path, *flags: str, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`llmlower serve ARTIFACT` in a subprocess on a free port of 127.0.0.1, until the block ends."""
+    port = _free_port()
+    command = [sys.executable, "-m", "llmlower.cli", "serve", str(artifact), "--port", str(port), *flags]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def serving():
+    """serve_artifact: `llmlower serve ARTIFACT` on a free port of 127.0.0.1 for the length of a with block."""
+    return serve_artifact
 
 
 @pytest.fixture(scope="session")

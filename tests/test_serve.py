@@ -6,12 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,38 +35,6 @@ PERSON = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(artifact: Path, *flags: str, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`llmlower serve ARTIFACT` in a subprocess on a free port of 127.0.0.1, until the block ends."""
-    port = _free_port()
-    command = [sys.executable, "-m", "llmlower.cli", "serve", str(artifact), "--port", str(port), *flags]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start:\n{log.read_text()}")
-            time.sleep(0.2)
-        yield url, process
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            process.wait(timeout=60)
-
-
 @pytest.fixture(scope="module")
 def artifact(long_llama, tmp_path_factory) -> Path:
     """A tiny Llama with 1,024 positions: long enough that a request outlives its client's disconnect."""
@@ -80,7 +44,7 @@ def artifact(long_llama, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(artifact, tmp_path_factory) -> Iterator[str]:
+def server(artifact, tmp_path_factory, serving) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     flags = ("--api-key", KEY, "--served-model-name", MODEL, "--max-num-seqs", "16", "--max-body-bytes", "64K")
     with serving(artifact, *flags, log=log) as (url, _):
@@ -462,7 +426,7 @@ def test_metrics_parse_and_move_with_the_traffic(server):
     assert httpx.get(f"{server}/metrics").status_code == 200  # no API key needed
 
 
-def test_speculative_serving_counts_proposals_and_keeps_structured_output(artifact, tmp_path):
+def test_speculative_serving_counts_proposals_and_keeps_structured_output(artifact, tmp_path, serving):
     flags = ("--speculative", "ngram", "--num-speculative-tokens", "3")
     with serving(artifact, *flags, log=tmp_path / "log") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -485,7 +449,7 @@ def test_speculative_serving_counts_proposals_and_keeps_structured_output(artifa
     assert "llmlower:spec_decode_num_accepted_tokens_per_pos_total" in values
 
 
-def test_a_full_queue_answers_429_with_retry_after(artifact, tmp_path):
+def test_a_full_queue_answers_429_with_retry_after(artifact, tmp_path, serving):
     flags = ("--max-num-seqs", "1", "--max-num-batched-tokens", "8", "--max-waiting", "1")
     with serving(artifact, *flags, log=tmp_path / "log") as (url, _):
         body = {"model": "tiny-onnx", "prompt": "a long one", "max_tokens": 100, "ignore_eos": True}
@@ -501,7 +465,7 @@ def test_a_full_queue_answers_429_with_retry_after(artifact, tmp_path):
         assert any(r.status_code == 200 for r in responses)
 
 
-def test_sigterm_lets_running_requests_finish_then_exits(artifact, tmp_path):
+def test_sigterm_lets_running_requests_finish_then_exits(artifact, tmp_path, serving):
     with serving(artifact, "--max-context", "128", log=tmp_path / "log") as (url, process):
         body = {"model": "tiny-onnx", "prompt": "go on", "max_tokens": 100, "ignore_eos": True, "stream": True}
         chunks = []

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the peer engines for benchmarks/speed.py, each in its own venv; safe to run again (done steps are skipped).
-#   bash benchmarks/peers/setup.sh [ortgenai] [llamacpp]     (no argument: both)
+#   bash benchmarks/peers/setup.sh [ortgenai] [llamacpp] [llamacpp-converter]     (no argument: the first two)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -56,12 +56,29 @@ setup_llamacpp() {
         make_venv "$HERE/.venv-llamacpp" "${LLAMACPP_PINS[@]}"
 }
 
+setup_llamacpp_converter() {
+    # llama.cpp's own HF -> GGUF converter (and its gguf-py) from the same llama-cpp-python release, for checkpoints
+    # that no GGUF exists of (benchmarks/moe_speed.py); run with the main venv's torch and transformers.
+    local source="$HERE/.llama.cpp"
+    if [[ -f "$source/convert_hf_to_gguf.py" ]]; then
+        echo "[setup] $source exists" >&2
+        return
+    fi
+    local tmp
+    tmp="$(mktemp -d)"
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "${LLAMACPP_PINS[0]}" -d "$tmp"
+    tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
+    mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$source"
+    rm -rf "$tmp"
+}
+
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(ortgenai llamacpp)
 for target in "${targets[@]}"; do
     case "$target" in
     ortgenai) setup_ortgenai ;;
     llamacpp) setup_llamacpp ;;
-    *) echo "unknown target: $target (ortgenai, llamacpp)" >&2 && exit 2 ;;
+    llamacpp-converter) setup_llamacpp_converter ;;
+    *) echo "unknown target: $target (ortgenai, llamacpp, llamacpp-converter)" >&2 && exit 2 ;;
     esac
 done
