@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--quant", default="q4g32", help="llmlower's quant pipeline (build_pipeline's quant)")
     parser.add_argument("--backends", default="onnx,tvm")
     parser.add_argument("--llamacpp", default="Q4_0", help="llama.cpp's quant type (Q4_0, Q4_K_M, ...), or 'none'")
+    parser.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build (setup.sh vllm)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -177,6 +178,11 @@ def main() -> None:
         print(f"[moe] llama.cpp {args.llamacpp}: batch 1", file=sys.stderr)
         rows[f"llama.cpp {args.llamacpp}"] = peer(
             "llamacpp", gguf, prompts, args.new_tokens, args.repeats, args.threads
+        )
+    if args.vllm:
+        print("[moe] vLLM CPU bf16", file=sys.stderr)
+        rows["vLLM CPU bf16"] = peer(
+            "vllm_offline", checkpoint, prompts, args.new_tokens, args.repeats, args.threads, venv="vllm"
         )
     report = {
         "shape": shape,

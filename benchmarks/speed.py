@@ -132,9 +132,12 @@ def artifact(
     return llmlower_executor(Engine.load(directory, max_num_seqs=1, max_context=context, threads=threads).executor)
 
 
-def peer(name: str, model: Path, prompts: dict[int, list[int]], new_tokens: int, repeats: int, threads: int) -> dict:
-    """Run benchmarks/peers/NAME.py in its own virtual environment; its JSON line is the row."""
-    python = PEERS / f".venv-{name}" / "bin" / "python"
+def peer(
+    name: str, model: Path, prompts: dict[int, list[int]], new_tokens: int, repeats: int, threads: int, venv: str = ""
+) -> dict:
+    """Run benchmarks/peers/NAME.py in its own virtual environment (.venv-NAME, or .venv-VENV); its JSON line is
+    the row."""
+    python = PEERS / f".venv-{venv or name}" / "bin" / "python"
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump({str(n): ids for n, ids in prompts.items()}, f)
         f.flush()

@@ -33,9 +33,11 @@ def report(
     args: argparse.Namespace,
     prefill_time: Callable[[list[int]], float],
     decode_speed: Callable[[list[int], int], float],
+    extra: dict[str, float] | None = None,
 ) -> None:
     """Each repeat times every prompt's prefill, then the decode after the shortest prompt, as
-    benchmarks/speed.py does; prints the medians as one JSON line (progress on stderr)."""
+    benchmarks/speed.py does; prints the medians (and `extra` figures of the runner's own) as one JSON line
+    (progress on stderr)."""
     ttft: dict[int, list[float]] = {n: [] for n in prompts}
     speeds = []
     for repeat in range(args.repeats):
@@ -48,5 +50,6 @@ def report(
         **{f"ttft_{n}_s": statistics.median(times) for n, times in ttft.items()},
         "engine": engine,
         "version": version,
+        **(extra or {}),
     }
     print(json.dumps(row))

