@@ -82,9 +82,11 @@ def _token_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:
 
 
 def _score_products(softmax: torch.fx.Node, dependent: set[torch.fx.Node]) -> list[torch.fx.Node]:
-    """The products the softmax's logits come from through elementwise and shape ops (token-dependent paths
-    only: the bias is positional); empty when the logits are not made that way (e.g. a router's linear)."""
-    found, stack, seen = [], [softmax.args[0]], set()
+    """The products the softmax's logits come from through elementwise and shape ops, following token-dependent
+    values only (the bias is positional; a baddbmm's bias term is followed too). Empty when the logits are made
+    otherwise (e.g. a router's linear: not attention); an attention whose logits also depend on the tokens
+    through another op is refused, naming it."""
+    found, foreign, stack, seen = [], [], [softmax.args[0]], set()
     while stack:
         node = stack.pop()
         if node in seen or node not in dependent:
@@ -92,10 +94,15 @@ def _score_products(softmax: torch.fx.Node, dependent: set[torch.fx.Node]) -> li
         seen.add(node)
         if node.target in SCORES:
             found.append(node)
+            stack.extend(node.args[:1] if node.target is aten.baddbmm.default else [])
         elif node.target in _ELEMENTWISE or node.target in _SHAPES:
             stack.extend(node.all_input_nodes)
         else:
-            return []
+            foreign.append(node)
+    if found and foreign:
+        raise PassError(
+            f"eager_attention: {softmax.name}'s logits depend on the tokens through {foreign[0].name} besides q·kᵀ"
+        )
     return found
 
 
