@@ -52,9 +52,9 @@ _ELEMENTWISE = {
 }
 _WEIGHTS_PATH = _RESHAPES | _CASTS | {aten.dropout.default}  # softmax -> weights·v (dropout: eval mode)
 BATCH, TOKENS = 2, 7  # the recorded run
-PROBES = [2.0**k for k in range(41)]  # the constants q·kᵀ is replaced by
+PROBES = [2.0**k for k in range(41)]  # the constants q·kᵀ is replaced by (those whose square the dtype holds)
 BENT = 1.7  # f(2p) / f(p) where a soft-cap is fitted: tanh has bent enough for a well-conditioned fit
-MASKED = -1e9  # a bias below this hides its key (float32's softmax gives it weight 0)
+MASKED = 1 / 64  # a bias below this fraction of its dtype's lowest value hides its key (a mask, maybe scaled)
 
 
 @dataclass
@@ -185,7 +185,7 @@ def _transform(name: str, curve: dict[float, torch.Tensor], tolerance: float) ->
     """(scale, softcap) of f from f(p) at the probes (each a tensor over the visible logits, float64): linear, or
     fitted where softcap * tanh(scale * p / softcap) has bent (f(2p) / f(p) = 2 / (1 + tanh²), below BENT)."""
     means = {p: float(y.mean()) for p, y in curve.items()}
-    bent = next((p for p in PROBES[:-1] if means[p] and means[2 * p] / means[p] < BENT), None)
+    bent = next((p for p in list(curve)[:-1] if means[p] and means[2 * p] / means[p] < BENT), None)
     scale, softcap = means[1.0], 0.0
     if bent is not None and 0 < (t := math.sqrt(max(2 * means[bent] / means[2 * bent] - 1, 0))) < 1:
         softcap = means[bent] / t
@@ -224,11 +224,13 @@ def _parameters(site: Site, region: list[torch.fx.Node], values: dict, window: i
     batch, heads, tokens = values[site.q].shape[:3]
     dtype = values[site.softmax.args[0]].dtype
     tolerance = max(1e-4, 16 * torch.finfo(dtype).eps)
-    bias = _logits(site, region, values, 0.0).double()
+    bias = _logits(site, region, values, 0.0)
+    hidden = torch.finfo(bias.dtype).min * MASKED
+    bias = bias.double()
     if bias.numel() != batch * heads * tokens * tokens:
         raise PassError(f"eager_attention: {name}'s logits {tuple(bias.shape)} are not one per query and key")
     bias = bias.reshape(batch, heads, tokens, tokens)
-    shown = bias > MASKED
+    shown = bias > hidden
     positions = torch.arange(tokens)
     causal = visible(positions[None, :], positions[:, None], window)
     if not torch.equal(shown, causal.expand_as(shown)):
@@ -236,7 +238,8 @@ def _parameters(site: Site, region: list[torch.fx.Node], values: dict, window: i
             f"eager_attention: {name}'s mask is not causal attention's (window {window}): "
             f"{int((shown != causal).sum())} of {shown.numel()} logits differ"
         )
-    curve = {p: (_logits(site, region, values, p).double().reshape(bias.shape) - bias)[shown] for p in PROBES}
+    probes = [p for p in PROBES if p * p <= torch.finfo(dtype).max]  # logits well within the dtype's range
+    curve = {p: (_logits(site, region, values, p).double().reshape(bias.shape) - bias)[shown] for p in probes}
     scale, softcap = _transform(name, curve, tolerance)
     return {"scale": scale, "softcap": softcap, "alibi_slopes": _slopes(name, bias, causal, tolerance)}
 

@@ -142,6 +142,25 @@ def greedy_reference():
     return transformers_greedy
 
 
+def export_onnx_session(module: torch.nn.Module, args: tuple) -> tuple:
+    """(ONNX Runtime CPU session, ONNX model) of `module` exported with llmlower's lowerings: one op alone."""
+    import onnxruntime as ort
+
+    from llmlower.backends.onnx.lowerings import translations
+
+    exported = torch.export.export(module, args)
+    onnx_program = torch.onnx.export(exported, custom_translation_table=translations(), dynamo=True, verbose=False)
+    model = onnx_program.model_proto
+    model.ir_version = min(model.ir_version, 10)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]), model
+
+
+@pytest.fixture(scope="session")
+def onnx_session():
+    """export_onnx_session, for tests of one op's ONNX lowering."""
+    return export_onnx_session
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint_writer():
     """write_tiny_checkpoint, for tests that build a variant (more layers, ...) of a tiny architecture."""

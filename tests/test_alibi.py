@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_eager_attention import _onnx_session
 from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 
 from llmlower.api import compile_artifact
@@ -70,13 +69,13 @@ def test_reference_is_blooms_alibi_math():
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("dv", [DK, 4])
 @pytest.mark.parametrize("step", [PREFILL, DECODE], ids=["prefill", "decode"])
-def test_onnx_lowering_matches_the_reference(step, dv, window):
+def test_onnx_lowering_matches_the_reference(step, dv, window, onnx_session):
     """GroupQueryAttention with ALiBi as its attention_bias [batch, heads, tokens, total] (onnxruntime 1.31's CPU
     kernel takes it), the standard-op decomposition where the head sizes differ."""
     args = _step(step, dv)
     module = _Attention(window)
     inputs = tuple(args.values())
-    session, model = _onnx_session(module, inputs)
+    session, model = onnx_session(module, inputs)
     gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == (dv == DK) and all(len(n.input) == 11 and n.input[10] for n in gqa)
     got = session.run(None, {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs, strict=True)})

@@ -8,13 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 import transformers
 
 from llmlower.api import compile_artifact
-from llmlower.backends.onnx.lowerings import translations
 from llmlower.errors import CaptureError
 from llmlower.frontend import capture, load
 from llmlower.ir import ATTENTION
@@ -106,23 +104,15 @@ def test_reference_is_transformers_eager_math(softcap, sinks, dv, window):
         torch.testing.assert_close(out[b, :, :new], outs[b], atol=1e-5, rtol=1e-5)
 
 
-def _onnx_session(module: torch.nn.Module, args: tuple) -> ort.InferenceSession:
-    exported = torch.export.export(module, args)
-    onnx_program = torch.onnx.export(exported, custom_translation_table=translations(), dynamo=True, verbose=False)
-    model = onnx_program.model_proto
-    model.ir_version = min(model.ir_version, 10)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]), model
-
-
 @pytest.mark.parametrize("step", [PREFILL, DECODE], ids=["prefill", "decode"])
 @pytest.mark.parametrize(("softcap", "sinks", "dv"), EXTRAS)
-def test_onnx_lowering_matches_the_reference(softcap, sinks, dv, step):
+def test_onnx_lowering_matches_the_reference(softcap, sinks, dv, step, onnx_session):
     """GroupQueryAttention with its softcap attribute and head_sink input where the head sizes agree (onnxruntime
     1.31's CPU kernel takes both), the standard-op decomposition where they differ; a sliding window of 3."""
     args = _step(step, softcap, sinks, dv)
     module = _Attention(0.3, 3, softcap, args.pop("sinks"))
     inputs = tuple(args.values())
-    session, model = _onnx_session(module, inputs)
+    session, model = onnx_session(module, inputs)
     ops = {n.op_type for n in model.graph.node}
     assert ("GroupQueryAttention" in ops) == (dv == DK)
     got = session.run(None, {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs, strict=True)})

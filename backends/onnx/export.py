@@ -62,7 +62,10 @@ def check_lowerable(program: Program) -> None:
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}) in {dtype}: ONNX Runtime's "
                 "PagedAttention (CUDA) runs float16 here; compile for --target cuda (float16 by default)"
             )
-        if node.target in PAGED_OPS and node.normalized_arguments(gm).kwargs.get("alibi_slopes") is not None:
+        if (
+            node.target in PAGED_OPS
+            and node.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs.get("alibi_slopes") is not None
+        ):
             raise LoweringError(
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}): ONNX Runtime's PagedAttention "
                 "has no attention bias for ALiBi (the CPU target's GroupQueryAttention has; TVM's kernels too)"
