@@ -17,25 +17,10 @@ from llmlower.frontend import capture, load
 from llmlower.ir import ATTENTION
 from llmlower.passes import run_pipeline
 
-HEADS, KV_HEADS, DK, CONTEXT = 4, 2, 8, 16
+HEADS, KV_HEADS, DK = 4, 2, 8  # conftest's attention_step
 MIXED = ([0, 5, 9], [4, 2, 1])  # a prompt, a chunk after a past, a decode (padded to 4)
 PREFILL, DECODE = ([0, 0, 0], [4, 2, 3]), ([5, 9, 3], [1, 1, 1])  # the steps GroupQueryAttention takes
 SLOPES = _get_alibi_slopes(HEADS, torch.device("cpu"))
-
-
-def _step(step: tuple[list[int], list[int]], dv: int = DK) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    past, lens = step
-    batch, tokens = len(past), max(lens)
-    return {
-        "q": 3 * torch.randn(batch, HEADS, tokens, DK, generator=gen),
-        "k": torch.randn(batch, KV_HEADS, tokens, DK, generator=gen),
-        "v": torch.randn(batch, KV_HEADS, tokens, dv, generator=gen),
-        "k_cache": torch.randn(batch, KV_HEADS, CONTEXT, DK, generator=gen),
-        "v_cache": torch.randn(batch, KV_HEADS, CONTEXT, dv, generator=gen),
-        "past_lens": torch.tensor(past),
-        "input_lens": torch.tensor(lens),
-    }
 
 
 class _Attention(torch.nn.Module):
@@ -52,9 +37,10 @@ class _Attention(torch.nn.Module):
         )  # fmt: skip
 
 
-def test_reference_is_blooms_alibi_math():
+def test_reference_is_blooms_alibi_math(attention_step):
     """Bloom adds slope_h * key position (not key - query) before its mask and float32 softmax: the same weights."""
-    args = _step(MIXED)
+    args = attention_step(MIXED, DK)
+    args.pop("sinks")
     out, k_cache, v_cache = _Attention(0)(*args.values())
     for b, (past, new) in enumerate(zip(*MIXED, strict=True)):
         keys = k_cache[b, :, : past + new].repeat_interleave(HEADS // KV_HEADS, 0)
@@ -69,10 +55,11 @@ def test_reference_is_blooms_alibi_math():
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("dv", [DK, 4])
 @pytest.mark.parametrize("step", [PREFILL, DECODE], ids=["prefill", "decode"])
-def test_onnx_lowering_matches_the_reference(step, dv, window, onnx_session):
+def test_onnx_lowering_matches_the_reference(step, dv, window, onnx_session, attention_step):
     """GroupQueryAttention with ALiBi as its attention_bias [batch, heads, tokens, total] (onnxruntime 1.31's CPU
     kernel takes it), the standard-op decomposition where the head sizes differ."""
-    args = _step(step, dv)
+    args = attention_step(step, dv)
+    args.pop("sinks")
     module = _Attention(window)
     inputs = tuple(args.values())
     session, model = onnx_session(module, inputs)

@@ -52,19 +52,9 @@ def _sequence_lengths(past_lens, input_lens):
 
 
 def attention(
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    past_lens,
-    input_lens,
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
-    sinks=None,
+    q, k, v, k_cache, v_cache, past_lens, input_lens, scale: float, window: int = 0, softcap: float = 0.0, sinks=None,
     alibi_slopes=None,
-):
+):  # fmt: skip
     """GroupQueryAttention over the kv-heads cache. It takes right-padded prompts with no past, or steps
     in which every sequence brings the same number of tokens (decode). Values with a head size of their own,
     which GroupQueryAttention refuses, take the standard-op decomposition instead. ALiBi is its attention_bias."""
