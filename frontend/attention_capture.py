@@ -36,9 +36,14 @@ PASSED_ON = {"position_ids"}
 
 def attn_implementation(config: transformers.PretrainedConfig) -> str:
     """The attention implementation to load a model with: "sdpa" where its class supports it (the capture the
-    kv_cache pass has always read), "llmlower" (this module) for the models transformers runs only eagerly."""
+    kv_cache pass has always read), "llmlower" (this module) for the models transformers runs only eagerly
+    through its attention interface, and "eager" for those that write their attention out themselves (Bloom's
+    ALiBi): their matmul + softmax + matmul, with the mask transformers builds for eager, is what the
+    eager_attention pass recognises."""
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    return "sdpa" if model_class is None or model_class._supports_sdpa else IMPLEMENTATION
+    if model_class is None or model_class._supports_sdpa:
+        return "sdpa"
+    return IMPLEMENTATION if model_class._supports_attention_backend else "eager"
 
 
 def _check_neutral(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:

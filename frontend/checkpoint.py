@@ -23,6 +23,8 @@ from .experts_capture import EXPERTS_IMPLEMENTATION, prepare_experts
 from .files import check_chat_template, check_gguf, read_json, read_tokenizer_json, safetensors_shards
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+POSITION_LIMITS = ("max_position_embeddings", "seq_length", "max_seq_len")  # the configs' names, most common first
+UNLIMITED_POSITIONS = 2048  # BLOOM's training length: the context of a model whose positions have no limit
 
 
 @dataclass(frozen=True)
@@ -185,14 +187,14 @@ def spec_from_config(
 
 
 def _max_positions(config: transformers.PretrainedConfig) -> int:
-    """The longest context the model was made for; a config without one (ALiBi models such as Bloom) is refused."""
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions is None:
-        raise CheckpointError(
-            f"{config.model_type}: the config has no max_position_embeddings (positions without a limit, e.g. "
-            "ALiBi, are not supported yet)"
-        )
-    return int(positions)
+    """The longest context the model was made for: max_position_embeddings, or the training length some configs
+    give instead (seq_length, max_seq_len). Positions without a trained limit (ALiBi: Bloom's config names none)
+    get UNLIMITED_POSITIONS, the context an artifact is then compiled for; the runtime's max_context caps it."""
+    for name in POSITION_LIMITS:
+        positions = getattr(config, name, None)
+        if positions is not None:
+            return int(positions)
+    return UNLIMITED_POSITIONS
 
 
 def _first(*values: Any) -> int | None:

@@ -12,7 +12,9 @@ positions are unspecified. Prefill (past_lens = 0) and decode (tokens = 1) are t
 The extras some models need, each off by default (`attend`): `softcap` > 0 caps the scaled logits at
 softcap * tanh(logit / softcap) (Gemma 2); `sinks` [heads] are learned logits of a key nobody sees, one per
 head, that take a share of the softmax (gpt-oss); values may have a head size of their own (v, v_cache and
-out then end in it; DeepSeek's MLA), and `scale` is whatever the model scales q·k by.
+out then end in it; DeepSeek's MLA), `scale` is whatever the model scales q·k by, and `alibi_slopes` [heads]
+add slope_h * (key position - query position) to head h's logits (ALiBi: Bloom, MPT, Falcon with alibi; the
+models write slope_h * key position, which is the same softmax, as it shifts each row by a constant).
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ def visible(keys: torch.Tensor, positions: torch.Tensor, window: int = 0) -> tor
     return allowed & (keys > positions - window) if window > 0 else allowed
 
 
+def alibi_bias(slopes: torch.Tensor | None, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """ALiBi's additive logits, float32: slopes [heads] times (keys - positions), broadcast as `visible`'s
+    arguments and with a heads dimension before their last two (keys [.., 1, ctx], positions [.., tokens, 1]
+    -> [.., heads, tokens, ctx]); None without slopes."""
+    if slopes is None:
+        return None
+    distance = (keys - positions).float().unsqueeze(-3)
+    return slopes.float().reshape(-1, 1, 1) * distance
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -37,12 +49,14 @@ def attend(
     scale: float,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax over the allowed keys of the scaled (and soft-capped) logits, with each head's sink logit as an
-    extra column dropped after the softmax, times v: transformers' eager attention of Gemma 2 and gpt-oss.
-    q [batch, heads, tokens, dk], k [batch, kv_heads, keys, dk], v [batch, kv_heads, keys, dv], allowed broadcast
-    to [batch, heads, tokens, keys]; returns [batch, heads, tokens, dv]. Without extras it is SDPA itself."""
-    if not softcap and sinks is None:
+    """softmax over the allowed keys of the scaled (and soft-capped) logits plus `bias` (ALiBi's, float32), with
+    each head's sink logit as an extra column dropped after the softmax, times v: transformers' eager attention of
+    Gemma 2, gpt-oss and Bloom. q [batch, heads, tokens, dk], k [batch, kv_heads, keys, dk], v [batch, kv_heads,
+    keys, dv], allowed and bias broadcast to [batch, heads, tokens, keys]; returns [batch, heads, tokens, dv].
+    Without extras it is SDPA itself."""
+    if not softcap and sinks is None and bias is None:
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True
         )
@@ -51,6 +65,8 @@ def attend(
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)  # finite: a padded row gives no NaN
     if sinks is not None:
         column = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
@@ -79,6 +95,7 @@ def attention_reference(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, context = q.shape[2], k_cache.shape[2]
     totals = past_lens + input_lens
@@ -97,7 +114,8 @@ def attention_reference(
 
     positions = past_lens[:, None] + torch.arange(tokens, device=q.device)  # [batch, tokens]
     allowed = visible(keys, positions[:, :, None], window) & (keys < totals[:, None, None])  # [batch, tokens, ctx]
-    out = attend(q, k_cache, v_cache, allowed[:, None], scale, softcap, sinks)
+    bias = alibi_bias(alibi_slopes, keys, positions[:, :, None])
+    out = attend(q, k_cache, v_cache, allowed[:, None], scale, softcap, sinks, bias)
     return out, k_cache, v_cache
 
 
@@ -105,7 +123,9 @@ attention = torch.library.custom_op(f"{NAMESPACE}::attention", attention_referen
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window=0, softcap=0.0, sinks=None):
+def _attention_fake(
+    q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window=0, softcap=0.0, sinks=None, alibi_slopes=None
+):
     return q.new_empty((*q.shape[:3], v.shape[-1])), torch.empty_like(k_cache), torch.empty_like(v_cache)
 
 
@@ -119,13 +139,15 @@ def attention_cost(
     element_bytes: int,
     value_head_dim: int | None = None,
     softcap: bool = False,
+    alibi: bool = False,
 ) -> Cost:
     """QK^T (head_dim) and PV (value_head_dim, head_dim unless given) over `context` keys per query (the full
-    matrix, masked or not; softcap adds a divide, tanh and multiply per logit); reads q and the new k/v, writes
-    the output; reads the kv-heads cache's `context` positions once and writes the new k/v into it."""
+    matrix, masked or not; softcap adds a divide, tanh and multiply per logit, ALiBi a subtract, multiply and
+    add); reads q and the new k/v, writes the output; reads the kv-heads cache's `context` positions once and
+    writes the new k/v into it."""
     dims = head_dim + (value_head_dim or head_dim)  # a key's and a value's elements
     logits = batch * heads * tokens * context
-    flops = 2 * logits * dims + (3 * logits if softcap else 0)
+    flops = 2 * logits * dims + (3 * logits if softcap else 0) + (3 * logits if alibi else 0)
     activations = batch * tokens * heads * dims + batch * tokens * kv_heads * dims
     cache_reads = element_bytes * batch * kv_heads * context * dims
     cache_writes = element_bytes * batch * tokens * kv_heads * dims

@@ -6,7 +6,7 @@ The step's tokens are packed: q is [1, heads, tokens, head_dim] and k, v are [1,
 block_size] at offset p % block_size. New token t of sequence s sits at position past_lens[s] + t: the op
 writes its k/v into the pools there and returns (out [1, heads, tokens, head_dim], updated k_pool, updated
 v_pool), each new token attending to its own sequence's positions j <= its own (and j > that - window when
-window > 0), with `attention`'s extras (softcap, sinks, a value head size of its own: v_pool is then
+window > 0), with `attention`'s extras (softcap, sinks, ALiBi slopes, a value head size of its own: v_pool is then
 [num_blocks, block_size, kv_heads, dv]). Sequences may share blocks (a cached prefix) and blocks may sit
 anywhere in the pool; a step never writes a block another sequence reads (the runtime's block manager copies a
 shared block first).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attend, attention_cost, visible
+from .attention import alibi_bias, attend, attention_cost, visible
 from .registry import NAMESPACE, OpDef, register_op
 
 
@@ -42,6 +42,7 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     block_size = k_pool.shape[1]
     sequence, positions = packed_positions(past_lens, input_lens)
@@ -59,9 +60,11 @@ def paged_attention(
         keys = torch.arange(past + new, device=q.device)
         where = block_tables[row, keys // block_size], keys % block_size
         k_seq, v_seq = (pool[where].permute(1, 0, 2)[None] for pool in (k_pool, v_pool))  # [1, kv_heads, keys, D]
-        allowed = visible(keys[None, :], past + torch.arange(new, device=q.device)[:, None], window)
+        positions = past + torch.arange(new, device=q.device)[:, None]
+        allowed = visible(keys[None, :], positions, window)
+        bias = alibi_bias(alibi_slopes, keys[None, :], positions)
         out[:, :, start : start + new] = attend(
-            q[:, :, start : start + new], k_seq, v_seq, allowed[None, None], scale, softcap, sinks
+            q[:, :, start : start + new], k_seq, v_seq, allowed[None, None], scale, softcap, sinks, bias
         )
         start += new
     return out, k_pool, v_pool
@@ -69,7 +72,19 @@ def paged_attention(
 
 @paged_attention.register_fake
 def _paged_attention_fake(
-    q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens, scale, window=0, softcap=0.0, sinks=None
+    q,
+    k,
+    v,
+    k_pool,
+    v_pool,
+    block_tables,
+    past_lens,
+    input_lens,
+    scale,
+    window=0,
+    softcap=0.0,
+    sinks=None,
+    alibi_slopes=None,
 ):
     return q.new_empty((*q.shape[:3], v.shape[-1])), torch.empty_like(k_pool), torch.empty_like(v_pool)
 

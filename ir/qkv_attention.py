@@ -2,8 +2,8 @@
 
 qkv is [batch, tokens, (heads + kv_heads) * dk + kv_heads * dv], the output of one projection (q, then k, then
 v; dk and dv the caches' head sizes); the op returns (out [batch, tokens, heads * dv], updated k_cache,
-updated v_cache), the layout the output projection reads. softcap and sinks are `attention`'s. New token t of
-sequence b is rotated for position past_lens[b] + t with the rows of cos_table / sin_table [positions,
+updated v_cache), the layout the output projection reads. softcap, sinks and alibi_slopes are `attention`'s. New
+token t of sequence b is rotated for position past_lens[b] + t with the rows of cos_table / sin_table [positions,
 head_dim / 2] (rotate_half layout: both halves of a head share them). This is what ONNX Runtime's
 GroupQueryAttention (packed qkv, do_rotary) and TVM's paged KV cache (attention with fused qkv) compute in one
 kernel; otherwise it is `rope` + `attention` (ir/attention.py).
@@ -44,6 +44,7 @@ def qkv_attention_reference(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, tokens, _ = qkv.shape
     q, k, v = split_heads(qkv, heads, kv_heads, k_cache.shape[-1], v_cache.shape[-1])
@@ -52,7 +53,7 @@ def qkv_attention_reference(
     cos, sin = (torch.cat((t[positions], t[positions]), dim=-1)[:, None] for t in (cos_table, sin_table))
     q, k = torch.ops.llmlower.rope(q, cos, sin), torch.ops.llmlower.rope(k, cos, sin)
     out, k_cache, v_cache = torch.ops.llmlower.attention(
-        q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks
+        q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks, alibi_slopes
     )
     return out.transpose(1, 2).reshape(batch, tokens, -1), k_cache, v_cache
 
@@ -75,6 +76,7 @@ def _qkv_attention_fake(
     window=0,
     softcap=0.0,
     sinks=None,
+    alibi_slopes=None,
 ):
     out = qkv.new_empty((qkv.shape[0], qkv.shape[1], heads * v_cache.shape[-1]))
     return out, torch.empty_like(k_cache), torch.empty_like(v_cache)
@@ -90,11 +92,12 @@ def qkv_attention_cost(
     element_bytes: int,
     value_head_dim: int | None = None,
     softcap: bool = False,
+    alibi: bool = False,
 ) -> Cost:
     """`attention` plus rotating the new q and k."""
     rotated = batch * tokens * (heads + kv_heads) * head_dim
     attention = attention_cost(
-        batch, tokens, heads, kv_heads, head_dim, context, element_bytes, value_head_dim, softcap
+        batch, tokens, heads, kv_heads, head_dim, context, element_bytes, value_head_dim, softcap, alibi
     )
     return attention + rope_cost(rotated, element_bytes)
 

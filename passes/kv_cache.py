@@ -4,7 +4,8 @@ cache of the kv heads only.
 The pass works at the attention node, whatever computed q, k and v: it follows k and v back through the
 model's repeat-kv spelling (unsqueeze + expand + reshape, repeat_interleave, or SDPA's enable_gqa) to the
 tensors with kv_heads heads, and feeds those to the cache. `causal_attention` (frontend/attention_capture.py)
-already has kv heads and carries its extras (window, softcap, sinks), which go into `attention` as they are.
+already has kv heads and carries its extras (window, softcap, sinks, alibi_slopes), which go into `attention` as
+they are.
 Masks become dead (the op is causal over the cache) and are removed. The program gains inputs past_lens,
 input_lens and one k/v cache pair per layer (each of its own head size), and returns the updated caches after
 the logits: prefill and decode are this one graph.
@@ -70,7 +71,7 @@ def _sdpa_arguments(node: torch.fx.Node) -> dict[str, Any]:
 def _causal_attention_arguments(node: torch.fx.Node) -> dict[str, Any]:
     """`causal_attention`'s arguments under SDPA's names (q, k, v, scale), plus its extras by their own names
     (torch.export leaves out those at their defaults)."""
-    names = ("query", "key", "value", "scale", "window", "softcap", "sinks")
+    names = ("query", "key", "value", "scale", "window", "softcap", "sinks", "alibi_slopes")
     args = dict(zip(names, node.args, strict=False))
     args.update(node.kwargs)
     return args
@@ -148,6 +149,7 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
                     window,
                     float(args.get("softcap", 0.0)),
                     args.get("sinks"),
+                    args.get("alibi_slopes"),
                 ),
             )
             results = [graph.call_function(operator.getitem, (call, i)) for i in range(3)]

@@ -13,7 +13,14 @@ from .registry import PASSES
 
 FUSION: tuple[str, ...] = ("fuse_norms", "fuse_rope", "fuse_projections")
 # the paged_attention pass is added per backend and target (with_kv_layout)
-DEFAULT_PIPELINE: tuple[str, ...] = ("canonicalize", *FUSION, "kv_cache", "fuse_qkv_attention", "last_token_logits")
+DEFAULT_PIPELINE: tuple[str, ...] = (
+    "canonicalize",
+    "eager_attention",
+    *FUSION,
+    "kv_cache",
+    "fuse_qkv_attention",
+    "last_token_logits",
+)
 QUANT_NAMES = (
     "none, q8, q8g64, q8g128, q4g32, q4g64, q4g128 (asymmetric; -zp4: 4-bit zero points; -sym: symmetric), q4mix"
 )

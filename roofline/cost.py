@@ -82,8 +82,11 @@ def _rows(x: torch.Tensor) -> int:
 
 
 def _extras(args: list[Any], softcap_at: int, v_cache: torch.Tensor) -> dict[str, Any]:
-    """The attention cost's value head size (the value cache's) and whether the logits are soft-capped."""
-    return dict(value_head_dim=v_cache.shape[-1], softcap=len(args) > softcap_at and bool(args[softcap_at]))
+    """The attention cost's value head size (the value cache's), whether the logits are soft-capped and whether
+    they carry ALiBi (alibi_slopes: two arguments after softcap)."""
+    softcap = len(args) > softcap_at and bool(args[softcap_at])
+    alibi = len(args) > softcap_at + 2 and args[softcap_at + 2] is not None
+    return dict(value_head_dim=v_cache.shape[-1], softcap=softcap, alibi=alibi)
 
 
 def _attention(args: list[Any]) -> dict[str, int]:

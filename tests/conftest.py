@@ -186,6 +186,51 @@ def greedy_reference():
     return transformers_greedy
 
 
+def attention_step_inputs(
+    step: tuple[list[int], list[int]], dv: int, sinks: bool = False, heads: int = 4, kv_heads: int = 2, dk: int = 8
+) -> dict[str, torch.Tensor]:
+    """One slot-layout `attention` step's arguments for (past_lens, input_lens): random q/k/v (q large enough for a
+    soft-cap to bend the logits), caches of 16 positions, and `heads` sink logits if asked for."""
+    gen = torch.Generator().manual_seed(0)
+    past, lens = step
+    batch, tokens, context = len(past), max(lens), 16
+    return {
+        "q": 3 * torch.randn(batch, heads, tokens, dk, generator=gen),
+        "k": torch.randn(batch, kv_heads, tokens, dk, generator=gen),
+        "v": torch.randn(batch, kv_heads, tokens, dv, generator=gen),
+        "k_cache": torch.randn(batch, kv_heads, context, dk, generator=gen),
+        "v_cache": torch.randn(batch, kv_heads, context, dv, generator=gen),
+        "past_lens": torch.tensor(past),
+        "input_lens": torch.tensor(lens),
+        "sinks": torch.randn(heads, generator=gen) if sinks else None,
+    }
+
+
+@pytest.fixture(scope="session")
+def attention_step():
+    """attention_step_inputs, for tests of the attention ops and their lowerings."""
+    return attention_step_inputs
+
+
+def export_onnx_session(module: torch.nn.Module, args: tuple) -> tuple:
+    """(ONNX Runtime CPU session, ONNX model) of `module` exported with llmlower's lowerings: one op alone."""
+    import onnxruntime as ort
+
+    from llmlower.backends.onnx.lowerings import translations
+
+    exported = torch.export.export(module, args)
+    onnx_program = torch.onnx.export(exported, custom_translation_table=translations(), dynamo=True, verbose=False)
+    model = onnx_program.model_proto
+    model.ir_version = min(model.ir_version, 10)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]), model
+
+
+@pytest.fixture(scope="session")
+def onnx_session():
+    """export_onnx_session, for tests of one op's ONNX lowering."""
+    return export_onnx_session
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint_writer():
     """write_tiny_checkpoint, for tests that build a variant (more layers, ...) of a tiny architecture."""

@@ -8,43 +8,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 import transformers
 
 from llmlower.api import compile_artifact
-from llmlower.backends.onnx.lowerings import translations
 from llmlower.errors import CaptureError
 from llmlower.frontend import capture, load
 from llmlower.ir import ATTENTION
 from llmlower.passes import run_pipeline
 from llmlower.runtime import Engine, SamplingParams, Tokenizer
 
-HEADS, KV_HEADS, DK, CONTEXT = 4, 2, 8, 16
+HEADS, KV_HEADS, DK = 4, 2, 8  # conftest's attention_step
 MIXED = ([0, 5, 9], [4, 2, 1])  # past_lens, input_lens: a prompt, a chunk after a past, a decode (padded to 4)
 # the steps GroupQueryAttention takes: right-padded prompts without a past, decodes (one token each)
 PREFILL, DECODE = ([0, 0, 0], [4, 2, 3]), ([5, 9, 3], [1, 1, 1])
 # (softcap, sinks, value head size): each extra alone, all together, and none (GroupQueryAttention as before)
 EXTRAS = [(0.0, False, DK), (1.5, False, DK), (0.0, True, DK), (1.5, True, DK), (0.0, False, 4), (1.5, True, 12)]
-
-
-def _step(step: tuple[list[int], list[int]], softcap: float, sinks: bool, dv: int) -> dict[str, torch.Tensor]:
-    """One slot-layout step's arguments: random q/k/v (logits large enough for the cap to bend them), caches
-    and sinks."""
-    gen = torch.Generator().manual_seed(0)
-    past, lens = step
-    batch, tokens = len(past), max(lens)
-    return {
-        "q": 3 * torch.randn(batch, HEADS, tokens, DK, generator=gen),
-        "k": torch.randn(batch, KV_HEADS, tokens, DK, generator=gen),
-        "v": torch.randn(batch, KV_HEADS, tokens, dv, generator=gen),
-        "k_cache": torch.randn(batch, KV_HEADS, CONTEXT, DK, generator=gen),
-        "v_cache": torch.randn(batch, KV_HEADS, CONTEXT, dv, generator=gen),
-        "past_lens": torch.tensor(past),
-        "input_lens": torch.tensor(lens),
-        "sinks": torch.randn(HEADS, generator=gen) if sinks else None,
-    }
 
 
 class _Attention(torch.nn.Module):
@@ -89,8 +69,8 @@ def _eager(args: dict[str, torch.Tensor], scale: float, window: int, softcap: fl
 
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize(("softcap", "sinks", "dv"), EXTRAS)
-def test_reference_is_transformers_eager_math(softcap, sinks, dv, window):
-    args = _step(MIXED, softcap, sinks, dv)
+def test_reference_is_transformers_eager_math(softcap, sinks, dv, window, attention_step):
+    args = attention_step(MIXED, dv, sinks)
     scale = 0.3  # not 1/sqrt(DK)
     out, k_cache, v_cache = ATTENTION.op(
         **{k: v for k, v in args.items() if k != "sinks"},
@@ -106,23 +86,15 @@ def test_reference_is_transformers_eager_math(softcap, sinks, dv, window):
         torch.testing.assert_close(out[b, :, :new], outs[b], atol=1e-5, rtol=1e-5)
 
 
-def _onnx_session(module: torch.nn.Module, args: tuple) -> ort.InferenceSession:
-    exported = torch.export.export(module, args)
-    onnx_program = torch.onnx.export(exported, custom_translation_table=translations(), dynamo=True, verbose=False)
-    model = onnx_program.model_proto
-    model.ir_version = min(model.ir_version, 10)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]), model
-
-
 @pytest.mark.parametrize("step", [PREFILL, DECODE], ids=["prefill", "decode"])
 @pytest.mark.parametrize(("softcap", "sinks", "dv"), EXTRAS)
-def test_onnx_lowering_matches_the_reference(softcap, sinks, dv, step):
+def test_onnx_lowering_matches_the_reference(softcap, sinks, dv, step, onnx_session, attention_step):
     """GroupQueryAttention with its softcap attribute and head_sink input where the head sizes agree (onnxruntime
     1.31's CPU kernel takes both), the standard-op decomposition where they differ; a sliding window of 3."""
-    args = _step(step, softcap, sinks, dv)
+    args = attention_step(step, dv, sinks)
     module = _Attention(0.3, 3, softcap, args.pop("sinks"))
     inputs = tuple(args.values())
-    session, model = _onnx_session(module, inputs)
+    session, model = onnx_session(module, inputs)
     ops = {n.op_type for n in model.graph.node}
     assert ("GroupQueryAttention" in ops) == (dv == DK)
     got = session.run(None, {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs, strict=True)})

@@ -44,10 +44,11 @@ def _module(
     softcap: float = 0.0,
     sinks: np.ndarray | None = None,
     dv: int = HEAD_DIM,
+    slopes: np.ndarray | None = None,
 ) -> tvm.IRModule:
     """`attend(q, k, v, k_pool, v_pool, tables, past, starts)` -> attention output reshaped to [N, heads * dv]
     (an op LegalizeOps/FuseOps see next to ours), and `copy(k_pool, v_pool, src, dst)` -> both pools. softcap,
-    sinks (a constant) and the value head size dv are the kernels' extras."""
+    sinks and ALiBi slopes (constants) and the value head size dv are the kernels' extras."""
     dtype = "float32" if target.kind.name == "llvm" else "float16"
     n, s, s1, nb, mb, c = (tirx.Var(name, "int64") for name in ("n", "s", "s1", "nb", "mb", "c"))
 
@@ -73,6 +74,7 @@ def _module(
                 bb, *rows, k_pool, v_pool, *tables, heads=heads, kv_heads=kv_heads, head_dim=HEAD_DIM,
                 block_size=BLOCK_SIZE, scale=HEAD_DIM**-0.5, window=window, target=target, softcap=softcap,
                 sinks=None if sinks is None else relax.const(sinks), value_head_dim=dv,
+                alibi_slopes=None if slopes is None else relax.const(slopes),
             )  # fmt: skip
             out = bb.emit_output(relax.op.reshape(out, [n, heads * dv]))
         bb.emit_func_output(out)
@@ -169,22 +171,36 @@ def test_copy_blocks_in_place() -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_cuda_build() -> None:
     target = tvm_target("cuda", "sm_80")
-    source, fatbin = cuda_binary(compile_module(_module(target, 6, 2, 5), target), target)
+    slopes = np.geomspace(0.5, 0.5**6, 6).astype("float32")  # ALiBi's CUDA path compiles too
+    source, fatbin = cuda_binary(compile_module(_module(target, 6, 2, 5, slopes=slopes), target), target)
     assert all(f"{name}_kernel" in source for name in ("paged_append", "paged_attention", "copy_blocks"))
     assert fatbin
 
 
 @pytest.mark.parametrize(
-    ("softcap", "sinks", "dv"), [(1.5, False, HEAD_DIM), (0.0, True, HEAD_DIM), (0.0, False, 8), (1.5, True, 24)]
+    ("softcap", "sinks", "dv", "alibi", "window"),
+    [
+        (1.5, False, HEAD_DIM, False, 5),
+        (0.0, True, HEAD_DIM, False, 5),
+        (0.0, False, 8, False, 5),
+        (1.5, True, 24, False, 5),
+        (0.0, False, HEAD_DIM, True, 0),
+        (0.0, False, HEAD_DIM, True, 5),
+        (1.5, True, 24, True, 0),
+    ],
 )
-def test_extras_match_the_paged_attention_reference(softcap: float, sinks: bool, dv: int) -> None:
-    """Soft-capping, sink logits (in the online softmax's starting state) and values of their own head size: the
-    kernels against the op's torch reference (ir/paged_attention.py), two steps, a sliding window of 5."""
-    heads, kv_heads, window = 6, 2, 5
+def test_extras_match_the_paged_attention_reference(
+    softcap: float, sinks: bool, dv: int, alibi: bool, window: int
+) -> None:
+    """Soft-capping, sink logits (in the online softmax's starting state), values of their own head size and ALiBi
+    slopes (slope * (key - query) on each logit; Bloom's slopes for 6 heads): the kernels against the op's torch
+    reference (ir/paged_attention.py), two steps, with and without a sliding window of 5."""
+    heads, kv_heads = 6, 2
     rng = np.random.default_rng(7)
     sink_logits = rng.standard_normal(heads).astype("float32") if sinks else None
+    slopes = np.geomspace(0.5, 0.5**6, heads).astype("float32") if alibi else None
     target = tvm_target("cpu")
-    module = _module(target, heads, kv_heads, window, softcap, sink_logits, dv)
+    module = _module(target, heads, kv_heads, window, softcap, sink_logits, dv, slopes)
     vm = relax.VirtualMachine(compile_module(module, target), tvm.cpu())
     tables = _tables(rng)
     k_pool, v_pool = (
@@ -199,6 +215,7 @@ def test_extras_match_the_paged_attention_reference(softcap: float, sinks: bool,
             *packed, torch.from_numpy(k_pool), torch.from_numpy(v_pool), torch.from_numpy(tables).long(),
             torch.tensor(past), torch.tensor(new), HEAD_DIM**-0.5, window, softcap,
             None if sink_logits is None else torch.from_numpy(sink_logits),
+            None if slopes is None else torch.from_numpy(slopes),
         )  # fmt: skip
         expected, k_pool, v_pool = expected[0].transpose(0, 1).numpy(), k_pool.numpy(), v_pool.numpy()
         args = [step.q, step.k, step.v, *pools, step.tables, step.past, step.starts]

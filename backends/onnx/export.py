@@ -47,10 +47,12 @@ def _head_sizes(node: torch.fx.Node) -> set[int]:
 def check_lowerable(program: Program) -> None:
     """Fail before exporting when an op of the set has no ONNX lowering, a paged attention runs in a type
     ONNX Runtime's PagedAttention lacks, or keys and values have head sizes of their own where ONNX Runtime's
-    op takes one (a packed qkv; PagedAttention's v_head_size is for its latent layout only), naming the node."""
+    op takes one (a packed qkv; PagedAttention's v_head_size is for its latent layout only), or a paged attention
+    has ALiBi slopes (PagedAttention has no attention bias input), naming the node."""
     ours = {opdef.overload for opdef in OPS.values()}
     lowered = translations()
-    for node in program.graph_module.graph.nodes:
+    gm = program.graph_module
+    for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in ours:
             continue
         if node.target not in lowered:
@@ -59,6 +61,14 @@ def check_lowerable(program: Program) -> None:
             raise LoweringError(
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}) in {dtype}: ONNX Runtime's "
                 "PagedAttention (CUDA) runs float16 here; compile for --target cuda (float16 by default)"
+            )
+        if (
+            node.target in PAGED_OPS
+            and node.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs.get("alibi_slopes") is not None
+        ):
+            raise LoweringError(
+                f"the ONNX backend cannot lower node {node.name} (op {node.target}): ONNX Runtime's PagedAttention "
+                "has no attention bias for ALiBi (the CPU target's GroupQueryAttention has; TVM's kernels too)"
             )
         if node.target in CACHE_ARGUMENTS and len(_head_sizes(node)) > 1:
             raise LoweringError(

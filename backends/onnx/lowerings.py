@@ -52,15 +52,19 @@ def _sequence_lengths(past_lens, input_lens):
 
 
 def attention(
-    q, k, v, k_cache, v_cache, past_lens, input_lens, scale: float, window: int = 0, softcap: float = 0.0, sinks=None
-):
+    q, k, v, k_cache, v_cache, past_lens, input_lens, scale: float, window: int = 0, softcap: float = 0.0, sinks=None,
+    alibi_slopes=None,
+):  # fmt: skip
     """GroupQueryAttention over the kv-heads cache. It takes right-padded prompts with no past, or steps
     in which every sequence brings the same number of tokens (decode). Values with a head size of their own,
-    which GroupQueryAttention refuses, take the standard-op decomposition instead."""
+    which GroupQueryAttention refuses, take the standard-op decomposition instead. ALiBi is its attention_bias."""
     heads, head_dim = q.shape[1], q.shape[3]
     if v.shape[3] != head_dim:
-        return _decomposed_attention(q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks)
-    tail, softcapping = attention_extras(7, softcap, sinks, q)
+        return _decomposed_attention(
+            q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks, alibi_slopes
+        )
+    bias = _total_alibi(alibi_slopes, past_lens, input_lens, _arange(q, 2), q)
+    tail, softcapping = attention_extras(7, softcap, sinks, q, bias)
     out, k_present, v_present = MSFT.GroupQueryAttention(
         _heads_first_to_packed(q),
         _heads_first_to_packed(k),
@@ -112,9 +116,7 @@ def _repeated(x, heads: int, kv_heads: int, dim: int):
 def _allowed(past_lens, input_lens, tokens, keys, window: int):
     """[batch, 1, tokens, keys]: which cache positions each new token attends to (causal, in its sequence,
     within the window)."""
-    positions = op.Unsqueeze(
-        op.Add(op.Unsqueeze(past_lens, op.Constant(value_ints=[1])), tokens), op.Constant(value_ints=[2])
-    )
+    positions = op.Unsqueeze(_positions(past_lens, tokens), op.Constant(value_ints=[2]))
     allowed = op.And(
         op.LessOrEqual(keys, positions),
         op.Less(keys, op.Unsqueeze(op.Add(past_lens, input_lens), op.Constant(value_ints=[1, 2]))),
@@ -124,14 +126,41 @@ def _allowed(past_lens, input_lens, tokens, keys, window: int):
     return op.Unsqueeze(allowed, op.Constant(value_ints=[1]))
 
 
+def _alibi(slopes, keys, positions, like):
+    """ALiBi's logits [batch, heads, tokens, keys] in the type of `like`: slopes [heads] times (keys - positions),
+    keys [keys] and positions [batch, tokens] int64 (ir/attention.py's alibi_bias)."""
+    distance = op.Sub(
+        op.Unsqueeze(keys, op.Constant(value_ints=[0, 1])), op.Unsqueeze(positions, op.Constant(value_ints=[2]))
+    )
+    slopes = op.Reshape(op.CastLike(slopes, like), op.Constant(value_ints=[1, -1, 1, 1]))
+    return op.Mul(slopes, op.Unsqueeze(op.CastLike(distance, like), op.Constant(value_ints=[1])))
+
+
+def _positions(past_lens, tokens):
+    """[batch, tokens]: each new token's position, past_lens + t."""
+    return op.Add(op.Unsqueeze(past_lens, op.Constant(value_ints=[1])), tokens)
+
+
+def _total_alibi(slopes, past_lens, input_lens, tokens, like):
+    """GroupQueryAttention's attention_bias for ALiBi (None without slopes): over keys 0 .. total_sequence_length - 1,
+    the longest sequence's total, the last dimension onnxruntime 1.31's CPU kernel requires."""
+    if slopes is None:
+        return None
+    total = op.ReduceMax(op.Add(past_lens, input_lens), keepdims=0)
+    keys = op.Range(op.Constant(value_int=0), total, op.Constant(value_int=1))
+    return _alibi(slopes, keys, _positions(past_lens, tokens), like)
+
+
 def _scalar(value: float, like):
     """A float constant in the type of `like`."""
     return op.CastLike(op.Constant(value_float=value), like)
 
 
-def _decomposed_attention(q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks):
+def _decomposed_attention(
+    q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks, alibi_slopes
+):
     """`attention` in standard ONNX ops (ir/attention.py's `attend` over the written caches): softmax of the
-    scaled, soft-capped, masked logits with each head's sink as an extra column, times the values."""
+    scaled, soft-capped, ALiBi-biased, masked logits with each head's sink as an extra column, times the values."""
     heads, kv_heads, dk, dv = q.shape[1], k.shape[1], k.shape[3], v.shape[3]
     k_cache, v_cache = _written(k, k_cache, past_lens, input_lens), _written(v, v_cache, past_lens, input_lens)
 
@@ -140,6 +169,8 @@ def _decomposed_attention(q, k, v, k_cache, v_cache, past_lens, input_lens, scal
     if softcap:
         cap = _scalar(softcap, q)
         scores = op.Mul(op.Tanh(op.Div(scores, cap)), cap)
+    if alibi_slopes is not None:
+        scores = op.Add(scores, _alibi(alibi_slopes, _arange(k_cache, 2), _positions(past_lens, _arange(q, 2)), q))
     allowed = _allowed(past_lens, input_lens, _arange(q, 2), _arange(k_cache, 2), window)
     scores = op.Where(allowed, scores, _scalar(float(np.finfo(np.float32).min), q))
     if sinks is not None:
@@ -168,10 +199,12 @@ def qkv_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks=None,
+    alibi_slopes=None,
 ):
     """One GroupQueryAttention on the packed projection, rotating q and k itself (do_rotary): it derives each
     token's position from the sequence lengths as the op does (past_lens + t)."""
-    tail, softcapping = attention_extras(9, softcap, sinks, qkv)
+    bias = _total_alibi(alibi_slopes, past_lens, input_lens, _arange(qkv, 1), qkv)
+    tail, softcapping = attention_extras(9, softcap, sinks, qkv, bias)
     return MSFT.GroupQueryAttention(
         qkv,
         None,

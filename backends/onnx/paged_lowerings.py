@@ -19,6 +19,7 @@ from .schemas import ensure_schema
 
 MSFT = onnxscript.values.Opset("com.microsoft", 1)
 INT32 = onnxscript.onnx_types.INT32.dtype
+ATTENTION_BIAS = 10  # GroupQueryAttention's input index of the additive logits [batch, heads, tokens, total]
 HEAD_SINK = 11  # GroupQueryAttention's and PagedAttention's input index of the per-head sink logits
 PAGED_DTYPES = ("float16",)  # PagedAttention also takes bfloat16; llmlower's CUDA executor keeps float16 pools
 
@@ -31,13 +32,15 @@ def _sequence_metadata(block_tables, past_lens, input_lens):
     return op.Cast(cumulative, to=INT32), op.Cast(past_lens, to=INT32), op.Cast(block_tables, to=INT32)
 
 
-def attention_extras(given: int, softcap: float, sinks, like) -> tuple[list, dict]:
-    """The inputs after the `given` first ones up to head_sink (input 11 of both GroupQueryAttention and
-    PagedAttention: the sinks in the activations' type), and the softcap attribute; nothing for extras that are
+def attention_extras(given: int, softcap: float, sinks, like, bias=None) -> tuple[list, dict]:
+    """The inputs after the `given` first ones up to the last extra given: `bias` as GroupQueryAttention's
+    attention_bias (input 10; PagedAttention's input 10 is slot_mapping, and it takes no bias) and the sinks as
+    head_sink (input 11 of both, in the activations' type); and the softcap attribute. Nothing for extras that are
     off, so that a model without them gets the node it always had. onnxruntime 1.31's CPU GroupQueryAttention
-    takes both (tests/test_eager_attention.py)."""
-    inputs = [] if sinks is None else [None] * (HEAD_SINK - given) + [op.CastLike(sinks, like)]
-    return inputs, {"softcap": float(softcap)} if softcap else {}
+    takes all three (tests/test_eager_attention.py, tests/test_alibi.py)."""
+    extras = {ATTENTION_BIAS: bias, HEAD_SINK: None if sinks is None else op.CastLike(sinks, like)}
+    last = max((index for index, value in extras.items() if value is not None), default=given - 1)
+    return [extras.get(index) for index in range(given, last + 1)], {"softcap": float(softcap)} if softcap else {}
 
 
 def _window(window: int) -> int:
@@ -62,6 +65,7 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks=None,
+    alibi_slopes=None,  # always None: export.check_lowerable refuses ALiBi, which PagedAttention has no input for
 ):
     """One PagedAttention on q, k, v already rotated: heads-first [1, heads, tokens, head_dim] in and out."""
     heads, head_dim, kv_heads = q.shape[1], q.shape[3], k.shape[1]
@@ -99,6 +103,7 @@ def paged_qkv_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks=None,
+    alibi_slopes=None,  # always None: export.check_lowerable refuses ALiBi, which PagedAttention has no input for
 ):
     """One PagedAttention on the packed projection [1, tokens, (heads + 2 kv_heads) head_dim], rotating q and k
     itself (do_rotary with the [positions, head_dim / 2] tables); returns [1, tokens, heads * head_dim]."""

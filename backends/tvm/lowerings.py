@@ -80,11 +80,12 @@ def rope(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     return _rotate(importer, x, cos, sin)
 
 
-EXTRAS = {"window": 0, "softcap": 0.0, "sinks": None}  # the attention ops' last arguments and their defaults
+EXTRAS = {"window": 0, "softcap": 0.0, "sinks": None, "alibi_slopes": None}  # the attention ops' last arguments
 
 
 def _extras(node: torch.fx.Node, args: list, at: int) -> dict:
-    """The op's window, softcap and sinks from argument `at` on (torch.export leaves out those at defaults)."""
+    """The op's window, softcap, sinks and ALiBi slopes from argument `at` on (torch.export leaves out those at
+    their defaults)."""
     given = dict(zip(EXTRAS, args[at:], strict=False))
     return {name: node.kwargs.get(name, given.get(name, default)) for name, default in EXTRAS.items()}
 
@@ -108,6 +109,7 @@ def _kernel_options(
         "softcap": float(extras["softcap"]),
         "sinks": extras["sinks"],
         "value_head_dim": int(v_pool.ty.shape[3]),
+        "alibi_slopes": extras["alibi_slopes"],
     }
 
 

@@ -125,6 +125,7 @@ def attention_kernel(
     softcap: float = 0.0,
     sinks: bool = False,
     value_head_dim: int | None = None,
+    alibi: bool = False,
 ) -> tirx.PrimFunc:
     """out[row, h] = softmax(scale * q·K) · V over the row's own positions lo..pos (lo = pos - window + 1 with a
     sliding window, else 0). CPU: one task per (row, kv head), each pass over a key serving its query heads;
@@ -132,7 +133,8 @@ def attention_kernel(
     softcap > 0 caps each logit at softcap * tanh(logit / softcap); with `sinks`, head h's sink logit sinks[h]
     (the kernel's sinks argument, [heads] float32, read only then) starts the online softmax as a key with no
     value (running max sinks[h], sum 1), which is the extra softmax column transformers drops; values may have
-    a head size of their own (value_head_dim)."""
+    a head size of their own (value_head_dim); with `alibi`, head h adds slopes[h] * (j - pos) to the logit of
+    position j (the slopes argument, [heads] float32, read only then), after the softcap."""
     group = heads // kv_heads
     dv = value_head_dim or head_dim
     lanes = math.gcd(head_dim, LANES)
@@ -148,6 +150,7 @@ def attention_kernel(
         past_h: T.handle,
         starts_h: T.handle,
         sinks_h: T.handle,
+        slopes_h: T.handle,
         out_h: T.handle,
     ):
         T.func_attr(ATTRS)
@@ -159,6 +162,7 @@ def attention_kernel(
         past_lens = T.match_buffer(past_h, (num_seqs,), "int32")
         query_start = T.match_buffer(starts_h, (num_seqs + 1,), "int32")
         sink = T.match_buffer(sinks_h, (heads,), "float32")
+        slope = T.match_buffer(slopes_h, (heads,), "float32")
         out = T.match_buffer(out_h, (n, heads, dv), dtype)
         if _is_cuda(target_kind):
             for task in T.thread_binding(n * heads, thread="blockIdx.x"):
@@ -201,6 +205,8 @@ def attention_kernel(
                                     )
                                 if softcap > 0:
                                     dot[0] = T.tanh(dot[0] * T.float32(1.0 / softcap)) * T.float32(softcap)
+                                if alibi:
+                                    dot[0] += slope[h] * T.Cast("float32", j - pos)
                             score[tx] = dot[0]
                             T.tvm_storage_sync("shared")
                             m_new[0] = m[0]
@@ -279,6 +285,10 @@ def attention_kernel(
                                         score[g, t] = T.tanh(score[g, t] * T.float32(1.0 / softcap)) * T.float32(
                                             softcap
                                         )
+                                    if alibi:
+                                        score[g, t] += slope[kvh * group + g] * T.Cast(
+                                            "float32", b * block_size + t - pos
+                                        )
                         for g in T.serial(group):
                             m_new[g] = m[g]
                             for t in T.serial(block_size):
@@ -354,10 +364,12 @@ def emit_paged_attention(
     softcap: float = 0.0,
     sinks: relax.Expr | None = None,
     value_head_dim: int | None = None,
+    alibi_slopes: relax.Expr | None = None,
 ) -> relax.Var:
     """Append k/v into the pools in place, then attend over the updated pools: out [N, heads, value_head_dim].
     The attention reads the append's outputs, which orders the two and keeps the append alive. `sinks` [heads]
-    (any float type) are the heads' sink logits; the kernel reads a float32 [heads] argument either way."""
+    (any float type) are the heads' sink logits and `alibi_slopes` [heads] their ALiBi slopes; the kernel reads
+    a float32 [heads] argument for each either way (zeros, unread, when absent)."""
     dtype, kind = q.ty.dtype, target.kind.name
     dv = value_head_dim or head_dim
     kernel = append_kernel(kv_heads, head_dim, block_size, dtype, kind, dv)
@@ -368,16 +380,28 @@ def emit_paged_attention(
         )
     )
     attention = attention_kernel(
-        heads, kv_heads, head_dim, block_size, dtype, scale, window, kind, softcap, sinks is not None, dv
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        scale,
+        window,
+        kind,
+        softcap,
+        sinks is not None,
+        dv,
+        alibi_slopes is not None,
     )
-    sink_logits = (
-        relax.const(np.zeros(heads, "float32")) if sinks is None else bb.emit(relax.op.astype(sinks, "float32"))
-    )
+    per_head = [
+        relax.const(np.zeros(heads, "float32")) if x is None else bb.emit(relax.op.astype(x, "float32"))
+        for x in (sinks, alibi_slopes)
+    ]
     updated = [bb.emit(relax.TupleGetItem(pools, i)) for i in range(2)]
     return bb.emit(
         relax.call_tir(
             bb.add_func(attention, "paged_attention"),
-            [q, *updated, block_tables, past_lens, query_start, sink_logits],
+            [q, *updated, block_tables, past_lens, query_start, *per_head],
             relax.TensorType([q.ty.shape[0], heads, dv], dtype),
         )
     )
