@@ -15,7 +15,7 @@ import transformers
 
 from llmlower.api import check_draft_layers
 from llmlower.cli import build_parser, main
-from llmlower.errors import ArgumentError, CheckpointError, PassError
+from llmlower.errors import ArgumentError, PassError
 from llmlower.frontend import capture, load
 from llmlower.passes import run_pipeline
 from llmlower.runtime import Engine
@@ -37,9 +37,6 @@ ARCHITECTURES = (  # conftest's TINY_CONFIGS
     "bloom",
     "gpt2",
 )
-# not compiled yet, each refused with a clear error (strict: an xfail that starts passing fails the run)
-NOT_YET = {"bloom": pytest.mark.xfail(raises=CheckpointError, strict=True, reason="ALiBi is not supported yet")}
-CASES = [pytest.param(arch, marks=NOT_YET.get(arch, ())) for arch in ARCHITECTURES]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +70,7 @@ def _transformers_logits(loaded, layers: int, ids: torch.Tensor) -> torch.Tensor
 PROMPTS = torch.randint(5, 320, (2, 9), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("arch", CASES)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_draft_equals_transformers_with_k_layers(three_layer, arch):
     loaded = three_layer(arch)
     program = run_pipeline(capture(loaded), [("draft_layers", {"layers": 1}), "canonicalize"])
