@@ -64,11 +64,20 @@ def check_draft_layers(draft_layers: int | Sequence[int] | None, num_layers: int
     return sorted(set(counts))
 
 
+# passes that rewrite within layers only; eager_attention also drops what an eager model's layers share (ALiBi
+# biases and masks built once), so draft_layers runs after them
+BEFORE_DRAFT = ("canonicalize", "eager_attention")
+
+
 def draft_pipeline(pipeline: Sequence[PassSpec], layers: int) -> list[PassSpec]:
-    """The target's pipeline with draft_layers first: on the captured graph, before fusions merge layers."""
-    if any((step if isinstance(step, str) else step[0]) == "draft_layers" for step in pipeline):
+    """The target's pipeline with draft_layers after its leading BEFORE_DRAFT passes, before fusions merge layers."""
+    names = [step if isinstance(step, str) else step[0] for step in pipeline]
+    if "draft_layers" in names:
         raise ArgumentError("--draft-layers: the pipeline already has draft_layers (leave it out of --passes)")
-    return [("draft_layers", {"layers": layers}), *pipeline]
+    at = 0
+    while at < len(names) and names[at] in BEFORE_DRAFT:
+        at += 1
+    return [*pipeline[:at], ("draft_layers", {"layers": layers}), *pipeline[at:]]
 
 
 def check_block_size(block_size: int | None) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from llmlower.api import check_draft_layers
+from llmlower.api import check_draft_layers, draft_pipeline
 from llmlower.cli import build_parser, main
 from llmlower.errors import ArgumentError, PassError
 from llmlower.frontend import capture, load
@@ -73,12 +73,12 @@ PROMPTS = torch.randint(5, 320, (2, 9), generator=torch.Generator().manual_seed(
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_draft_equals_transformers_with_k_layers(three_layer, arch):
     loaded = three_layer(arch)
-    program = run_pipeline(capture(loaded), [("draft_layers", {"layers": 1}), "canonicalize"])
+    program = run_pipeline(capture(loaded), draft_pipeline(["canonicalize", "eager_attention"], 1))
     positions = torch.arange(PROMPTS.shape[1]).expand_as(PROMPTS)
     logits = program(input_ids=PROMPTS, position_ids=positions)["logits"]  # every position
     torch.testing.assert_close(logits, _transformers_logits(loaded, 1, PROMPTS), rtol=1e-5, atol=1e-5)
     assert program.spec.num_layers == 1
-    stats = program.history[0].stats
+    stats = next(record.stats for record in program.history if record.name == "draft_layers")
     assert (stats["layers_kept"], stats["layers_dropped"]) == (1, LAYERS - 1)
     assert stats["parameters"] < stats["parameters_before"]
 
@@ -137,9 +137,10 @@ def test_compile_writes_the_draft_inside_the_target(with_draft):
     own = read_manifest(draft)
     assert own["spec"]["num_layers"] == 1 and manifest["spec"]["num_layers"] == 2
     assert own["draft"] == {"method": "early_exit", "layers": 1, "target_layers": 2}
-    assert [step["name"] for step in own["pipeline"]] == ["draft_layers"] + [
-        step["name"] for step in manifest["pipeline"]
-    ]
+    target = [step["name"] for step in manifest["pipeline"]]
+    expected = [step if isinstance(step, str) else step[0] for step in draft_pipeline(target, 1)]
+    assert [step["name"] for step in own["pipeline"]] == expected
+    assert expected.index("draft_layers") == expected.index("eager_attention") + 1  # before the fusions
     assert {k: v for k, v in own["kv_layout"].items() if k != "layers"} == {
         k: v for k, v in manifest["kv_layout"].items() if k != "layers"
     }
