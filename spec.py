@@ -30,6 +30,9 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # per layer, the elements one token adds to that layer's KV cache as the compiled program lays it out (k and
+    # v heads with their own head sizes, or MLA's latent and rotary key); None before a pass lays the cache out
+    kv_widths: tuple[int, ...] | None = None
     chat_template: str | None = field(default=None, repr=False)
 
     @property
@@ -37,8 +40,11 @@ class ModelSpec:
         return DTYPE_BYTES[self.dtype]
 
     def kv_bytes_per_token(self, dtype: str | None = None) -> int:
-        """Bytes one token adds to the KV cache: 2 (k and v) x layers x kv_heads x head_dim x element size."""
+        """Bytes one token adds to the KV cache: the layers' `kv_widths` x element size once the cache is laid
+        out, else 2 (k and v) x layers x kv_heads x head_dim x element size (the config's)."""
         element = DTYPE_BYTES[dtype or self.dtype]
+        if self.kv_widths is not None:
+            return sum(self.kv_widths) * element
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
     def kv_cache_bytes(self, context: int, batch: int = 1, dtype: str | None = None) -> int:
@@ -60,7 +66,7 @@ class ModelSpec:
     def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
-        for key in ("eos_token_ids", "layer_types"):
+        for key in ("eos_token_ids", "layer_types", "kv_widths"):
             if values.get(key) is not None:
                 values[key] = tuple(values[key])
         return cls(**values)

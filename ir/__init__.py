@@ -2,6 +2,7 @@
 
 from .attention import ATTENTION
 from .causal_attention import CAUSAL_ATTENTION
+from .latent_attention import LATENT_ATTENTION, PAGED_LATENT_ATTENTION
 from .moe import MOE_EXPERTS
 from .norms import ADD_RMS_NORM, RMS_NORM
 from .paged_attention import PAGED_ATTENTION
@@ -17,9 +18,11 @@ __all__ = [
     "ADD_RMS_NORM",
     "ATTENTION",
     "CAUSAL_ATTENTION",
+    "LATENT_ATTENTION",
     "MOE_EXPERTS",
     "OPS",
     "PAGED_ATTENTION",
+    "PAGED_LATENT_ATTENTION",
     "PAGED_QKV_ATTENTION",
     "QEMBEDDING",
     "QKV_ATTENTION",

@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (registration)
     fuse_rope,
     kv_cache,
     last_token_logits,
+    latent_cache,
     paged_attention,
     quantize_weights,
 )

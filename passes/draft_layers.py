@@ -167,7 +167,8 @@ def draft_layers(program: Program, layers: int | None = None) -> tuple[Program, 
             dropped_inputs.append(str(node.target))
     finish(gm)
     layer_types = spec.layer_types[:layers] if spec.layer_types is not None else None
-    truncated = dataclasses.replace(spec, num_layers=layers, layer_types=layer_types)
+    kv_widths = spec.kv_widths[:layers] if spec.kv_widths is not None else None
+    truncated = dataclasses.replace(spec, num_layers=layers, layer_types=layer_types, kv_widths=kv_widths)
     inputs = [t for t in program.inputs if t.name not in dropped_inputs]
     outputs = [t for _, t in kept]
     signature_changed = len(inputs) != len(program.inputs) or len(outputs) != len(program.outputs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from ..errors import PassError
 from ..ir.attention import ATTENTION
 from ..ir.causal_attention import CAUSAL_ATTENTION
 from ..ir.program import INPUT_LENS, PAST_LENS, Program, TensorSpec, cache_names
+from ..step_io import cache_layer
 from .graph_utils import finish, replace_uses, tensor_meta
 from .registry import Pass, register_pass
 
@@ -164,7 +166,18 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
     output.args = (tuple(output.args[0]) + tuple(new_outputs),)
     finish(gm)
     rewritten = program.with_signature(program.inputs + new_inputs, program.outputs + output_specs)
+    rewritten.spec = replace(spec, kv_widths=cache_widths(new_inputs, spec.num_layers))
     return rewritten, {"matches": len(sites), "kv_heads": spec.num_kv_heads, "heads": heads}
+
+
+def cache_widths(inputs: list[TensorSpec], layers: int) -> tuple[int, ...]:
+    """Per layer, the elements one token adds to its caches: heads x head size of each (ModelSpec.kv_widths)."""
+    widths = [0] * layers
+    for t in inputs:
+        layer = cache_layer(t.name)
+        if layer is not None:
+            widths[layer] += int(t.shape[1]) * int(t.shape[3])
+    return tuple(widths)
 
 
 register_pass(

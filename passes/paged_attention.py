@@ -16,7 +16,14 @@ import torch
 import torch.fx
 
 from ..errors import PassError
-from ..ir import ATTENTION, PAGED_ATTENTION, PAGED_QKV_ATTENTION, QKV_ATTENTION
+from ..ir import (
+    ATTENTION,
+    LATENT_ATTENTION,
+    PAGED_ATTENTION,
+    PAGED_LATENT_ATTENTION,
+    PAGED_QKV_ATTENTION,
+    QKV_ATTENTION,
+)
 from ..ir.program import Program, TensorSpec, example_inputs
 from ..step_io import (
     BLOCK_TABLES,
@@ -34,9 +41,13 @@ from .graph_utils import finish, placeholder
 from .registry import Pass, Verification, register_pass
 
 DEFAULT_BLOCK_SIZE = 16
-PAGED = {ATTENTION.overload: PAGED_ATTENTION.overload, QKV_ATTENTION.overload: PAGED_QKV_ATTENTION.overload}
-# where each op reads its k cache, v cache, past_lens and input_lens
-CACHE_ARGS = {ATTENTION.overload: 3, QKV_ATTENTION.overload: 1}
+PAGED = {
+    ATTENTION.overload: PAGED_ATTENTION.overload,
+    QKV_ATTENTION.overload: PAGED_QKV_ATTENTION.overload,
+    LATENT_ATTENTION.overload: PAGED_LATENT_ATTENTION.overload,
+}
+# where each op reads its k cache (or latent), v cache (or rotary key), past_lens and input_lens
+CACHE_ARGS = {ATTENTION.overload: 3, QKV_ATTENTION.overload: 1, LATENT_ATTENTION.overload: 4}
 
 
 def _paged_signature(program: Program, block_size: int) -> tuple[list[TensorSpec], list[TensorSpec]]:

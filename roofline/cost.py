@@ -102,10 +102,29 @@ def _qkv_attention(args: list[Any]) -> dict[str, int]:
     return shape | _extras(args, 11, args[2])
 
 
+def _latent_attention(args: list[Any]) -> dict[str, int]:
+    q, latent, k_pe, kv_weight, c_cache = args[:5]
+    batch, heads, tokens, query_dim = q.shape
+    rope_dim = k_pe.shape[-1]
+    nope_dim = query_dim - rope_dim
+    return dict(
+        batch=batch,
+        tokens=tokens,
+        heads=heads,
+        rank=latent.shape[-1],
+        rope_dim=rope_dim,
+        nope_dim=nope_dim,
+        value_head_dim=kv_weight.shape[0] // heads - nope_dim,
+        context=c_cache.shape[2],
+        element_bytes=q.element_size(),
+    )
+
+
 # The llm op set: each op's cost-formula arguments from its call's argument values.
 OP_ARGUMENTS: dict[str, Callable[[list[Any]], dict[str, int]]] = {
     "attention": lambda a: {**_attention(a), "context": a[3].shape[2], "element_bytes": a[0].element_size()},
     "qkv_attention": lambda a: {**_qkv_attention(a), "context": a[1].shape[2], "element_bytes": a[0].element_size()},
+    "latent_attention": _latent_attention,
     "rms_norm": lambda a: dict(rows=_rows(a[0]), hidden=a[0].shape[-1], element_bytes=a[0].element_size()),
     "add_rms_norm": lambda a: dict(rows=_rows(a[0]), hidden=a[0].shape[-1], element_bytes=a[0].element_size()),
     "rope": lambda a: dict(elements=a[0].numel(), element_bytes=a[0].element_size()),
@@ -136,6 +155,7 @@ OP_ARGUMENTS: dict[str, Callable[[list[Any]], dict[str, int]]] = {
 OP_KINDS = {
     "attention": "attention",
     "qkv_attention": "attention",
+    "latent_attention": "attention",
     "rms_norm": "norm",
     "add_rms_norm": "norm",
     "rope": "elementwise",

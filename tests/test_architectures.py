@@ -21,7 +21,7 @@ PROMPTS = [
 ]
 NEW_TOKENS = 8
 BACKENDS = ["onnx", "tvm", "mlir"]
-FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "bloom"]
+FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "bloom"]
 
 
 @pytest.fixture(scope="module")

@@ -286,3 +286,16 @@ def test_an_op_outside_aten_and_the_set_is_named(programs, tmp_path):
     with pytest.raises(MlirLoweringError, match=r"node \w+ \(op mlirtest\.halve\.default\): neither an aten op"):
         build(program, tmp_path / "foreign")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dim", [1, -1, 0])
+def test_scatter_by_select_is_torch_scatter(dim):
+    """The linalg-friendly scatter (DeepSeek's group mask) puts what torch.scatter puts, scalar or tensor src."""
+    from llmlower.backends.mlir.scatter import scatter_by_select
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 6, generator=generator)
+    index = torch.rand(5, 6, generator=generator).argsort(dim=dim).narrow(dim, 0, 2)  # distinct along dim
+    src = torch.randn(index.shape, generator=generator)
+    assert torch.equal(scatter_by_select(x, dim, index, 1.0), torch.scatter(x, dim, index, 1.0))
+    assert torch.equal(scatter_by_select(x, dim, index, src), torch.scatter(x, dim, index, src))

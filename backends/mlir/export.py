@@ -19,6 +19,7 @@ from ...ir.program import Program, TensorSpec
 from ...ir.registry import op_of
 from ...runtime.linalg_jit import mlir_context
 from .lift import lift_weights
+from .scatter import SCATTER_DECOMPOSITION
 from .topk import TOPK_DECOMPOSITION
 from .views import FLATTEN, flatten_views
 
@@ -138,6 +139,7 @@ def torch_module(program: Program, fixed: dict[str, int] | None = None) -> MlirM
     lifted, weights = lift_weights(program)
     try:
         table = {**get_decomposition_table(), **get_decompositions(PRECISE_DECOMPOSITIONS), **TOPK_DECOMPOSITION}
+        table.update(SCATTER_DECOMPOSITION)
         table.update(decomposition_table())
         exported = lifted.export(fixed).run_decompositions(table)
         flatten_views(exported.graph)

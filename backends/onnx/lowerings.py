@@ -14,6 +14,7 @@ from onnxscript import opset18 as op
 from ...ir import (
     ADD_RMS_NORM,
     ATTENTION,
+    LATENT_ATTENTION,
     MOE_EXPERTS,
     PAGED_ATTENTION,
     PAGED_QKV_ATTENTION,
@@ -159,19 +160,26 @@ def _scalar(value: float, like):
 def _decomposed_attention(
     q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks, alibi_slopes
 ):
-    """`attention` in standard ONNX ops (ir/attention.py's `attend` over the written caches): softmax of the
-    scaled, soft-capped, ALiBi-biased, masked logits with each head's sink as an extra column, times the values."""
+    """`attention` in standard ONNX ops (ir/attention.py's `attend` over the written caches)."""
     heads, kv_heads, dk, dv = q.shape[1], k.shape[1], k.shape[3], v.shape[3]
     k_cache, v_cache = _written(k, k_cache, past_lens, input_lens), _written(v, v_cache, past_lens, input_lens)
+    allowed = _allowed(past_lens, input_lens, _arange(q, 2), _arange(k_cache, 2), window)
+    keys, values = _repeated(k_cache, heads, kv_heads, dk), _repeated(v_cache, heads, kv_heads, dv)
+    bias = None
+    if alibi_slopes is not None:
+        bias = _alibi(alibi_slopes, _arange(k_cache, 2), _positions(past_lens, _arange(q, 2)), q)
+    return _attend(q, keys, values, allowed, scale, softcap, sinks, heads, bias), k_cache, v_cache
 
-    keys = op.Transpose(_repeated(k_cache, heads, kv_heads, dk), perm=[0, 1, 3, 2])
-    scores = op.Mul(op.MatMul(q, keys), _scalar(scale, q))
+
+def _attend(q, keys, values, allowed, scale: float, softcap: float, sinks, heads: int, bias=None):
+    """Softmax of the scaled, soft-capped, biased (ALiBi), masked logits with each head's sink as an extra column,
+    times the values; keys and values [batch, heads or 1, keys, d] (one head broadcasts to every query head)."""
+    scores = op.Mul(op.MatMul(q, op.Transpose(keys, perm=[0, 1, 3, 2])), _scalar(scale, q))
     if softcap:
         cap = _scalar(softcap, q)
         scores = op.Mul(op.Tanh(op.Div(scores, cap)), cap)
-    if alibi_slopes is not None:
-        scores = op.Add(scores, _alibi(alibi_slopes, _arange(k_cache, 2), _positions(past_lens, _arange(q, 2)), q))
-    allowed = _allowed(past_lens, input_lens, _arange(q, 2), _arange(k_cache, 2), window)
+    if bias is not None:
+        scores = op.Add(scores, bias)
     scores = op.Where(allowed, scores, _scalar(float(np.finfo(np.float32).min), q))
     if sinks is not None:
         column_shape = op.Concat(op.Shape(scores, start=0, end=3), op.Constant(value_ints=[1]), axis=0)
@@ -182,7 +190,27 @@ def _decomposed_attention(
         )
     else:
         weights = op.Softmax(scores, axis=-1)
-    return op.MatMul(weights, _repeated(v_cache, heads, kv_heads, dv)), k_cache, v_cache
+    return op.MatMul(weights, values)
+
+
+def _narrow(x, start: int, end: int = INT64_MAX, axis: int = 3):
+    """x[start:end] along `axis` (the last of a 4-d tensor by default)."""
+    return op.Slice(x, op.Constant(value_ints=[start]), op.Constant(value_ints=[end]), op.Constant(value_ints=[axis]))
+
+
+def latent_attention(q, latent, k_pe, kv_weight, c_cache, pe_cache, past_lens, input_lens, scale: float, window=0):
+    """ir/latent_attention.py in standard ONNX ops: q's non-rotary part absorbed into the latent space through
+    kv_weight's key rows (one MatMul per step), attention with one kv head over [latent, k_pe] with the latent
+    as values, then kv_weight's value rows."""
+    heads, rank, nope = q.shape[1], latent.shape[3], q.shape[3] - k_pe.shape[3]
+    weight = op.Reshape(kv_weight, op.Constant(value_ints=[heads, -1, rank]))  # [heads, nope + dv, rank]
+    key_weight, value_weight = _narrow(weight, 0, nope, 1), _narrow(weight, nope, axis=1)
+    query = op.Concat(op.MatMul(_narrow(q, 0, nope), key_weight), _narrow(q, nope), axis=-1)
+    c_cache = _written(latent, c_cache, past_lens, input_lens)
+    pe_cache = _written(k_pe, pe_cache, past_lens, input_lens)
+    allowed = _allowed(past_lens, input_lens, _arange(q, 2), _arange(c_cache, 2), window)
+    out = _attend(query, op.Concat(c_cache, pe_cache, axis=-1), c_cache, allowed, scale, 0.0, None, heads)
+    return op.MatMul(out, op.Transpose(value_weight, perm=[0, 2, 1])), c_cache, pe_cache
 
 
 def qkv_attention(
@@ -322,6 +350,7 @@ def translations(accuracy_level: int = 4) -> dict:
     """torch op -> onnxscript lowering, for torch.onnx.export's custom_translation_table."""
     return {
         ATTENTION.overload: attention,
+        LATENT_ATTENTION.overload: latent_attention,
         QKV_ATTENTION.overload: qkv_attention,
         PAGED_ATTENTION.overload: paged_lowerings.paged_attention,
         PAGED_QKV_ATTENTION.overload: paged_lowerings.paged_qkv_attention,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...ir.program import LOGITS, Program
 from ...progress import stage
-from ...runtime.executors.tvm import TvmExecutor
+from ...runtime.executors.tvm import TvmExecutor, pool_shapes
 from .compile import compile_module, tvm_target
 from .relax_import import to_relax
 
@@ -35,9 +35,7 @@ def program_executor(
             library,
             model.params,
             model.inputs,
-            layers=spec.num_layers,
-            kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
+            pools=pool_shapes([t.to_dict() for t in program.inputs]),
             dtype=spec.dtype,
             block_size=block_size,
             num_blocks=num_blocks or DEFAULT_SEQUENCES * -(-max_context // block_size),

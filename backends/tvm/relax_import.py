@@ -56,6 +56,23 @@ class StepImporter(ExportedProgramImporter):
         self.target = target
         self._step_inputs: tuple[relax.Expr, relax.Expr, relax.Expr] | None = None
 
+    def _reshape(self, node: torch.fx.Node) -> relax.Var:
+        """aten.reshape / view with symbolic sizes: TVM's own compares the shapes with Python's == (an error on
+        symbolic sizes) and cannot infer a -1 beside a dynamic size, so the -1 is solved here first."""
+        x, *dims = self.retrieve_args(node)
+        dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], torch.Size | tuple | list) else dims
+        shape = self.shape_of(x)
+        if shape is not None:
+            dims = inferred_dims(list(shape), dims)
+            if same_shape(list(shape), dims):
+                return x
+        return self._emit_torch_reshape(x, dims)
+
+    def _empty(self, node: torch.fx.Node) -> relax.Var:
+        """aten.empty (new_empty) of a symbolic shape as zeros: TVM's own passes the FX nodes of the sizes."""
+        dtype = self._convert_data_type(node.kwargs.get("dtype", torch.get_default_dtype()), self.env)
+        return self.block_builder.emit(relax.op.zeros(self.retrieve_args(node)[0], dtype))
+
     def create_input_vars(self, exported_program: torch.export.ExportedProgram):
         params, users, ranges = super().create_input_vars(exported_program)
         self.users = users
@@ -77,6 +94,29 @@ class StepImporter(ExportedProgramImporter):
             starts = bb.emit(relax.op.concat([zero, ends], axis=0))
             self._step_inputs = (tables, past, starts)
         return self._step_inputs
+
+
+def inferred_dims(shape: list[tirx.PrimExpr], dims: list) -> list:
+    """`dims` with its -1 (if any) replaced by the size it stands for: the elements of `shape` over the other
+    dims' product, simplified (n * 4 * 24 // (n * 24) is 4)."""
+    if -1 not in dims:
+        return dims
+    analyzer = tvm.sym.Analyzer()
+    total, known = 1, 1
+    for size in shape:
+        total = total * size
+    for size in dims:
+        known = known * size if not (isinstance(size, int) and size == -1) else known
+    at = dims.index(-1)
+    return [*dims[:at], analyzer.simplify(total // known), *dims[at + 1 :]]
+
+
+def same_shape(shape: list[tirx.PrimExpr], dims: list) -> bool:
+    """Whether a reshape to `dims` keeps `shape` as it is, symbolic sizes compared by the arithmetic analyzer."""
+    if len(shape) != len(dims):
+        return False
+    analyzer = tvm.sym.Analyzer()
+    return all(analyzer.can_prove_equal(a, b) for a, b in zip(shape, dims, strict=True))
 
 
 def step_program(program: Program) -> Program:
@@ -109,10 +149,15 @@ def check_lowerable(exported: torch.export.ExportedProgram, converters: dict) ->
 
 
 def _prepare(exported: torch.export.ExportedProgram) -> None:
-    """Rewrite what TVM's importer cannot take: negative slice dims (its dynamic-shape slice wants positive ones)."""
+    """Rewrite what TVM's importer cannot take: negative slice dims (its dynamic-shape slice wants positive ones),
+    and unsorted top-k (DeepSeek's router; torch leaves the order open, so sorted is one valid answer)."""
     for node in exported.graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor):
         if len(node.args) > 1 and node.args[1] < 0:
             node.args = (node.args[0], node.args[1] + node.meta["val"].dim(), *node.args[2:])
+    for node in exported.graph.find_nodes(op="call_function", target=torch.ops.aten.topk.default):
+        if len(node.args) > 4:
+            node.args = (*node.args[:4], True)
+        node.kwargs = {key: value for key, value in node.kwargs.items() if key != "sorted"}
 
 
 def _copy_blocks(builder: relax.BlockBuilder, step: relax.Function, spec: ModelSpec, target: tvm.target.Target):

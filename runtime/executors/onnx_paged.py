@@ -126,13 +126,17 @@ class OnnxPagedExecutor(Executor):
             raise GenerationError("not a paged-KV-cache model: no k_pool_<layer> inputs with static block shapes")
         if pools[0].type != "tensor(float16)":
             raise GenerationError(f"KV pools of {pools[0].type}: this executor keeps float16 pools")
-        _, compiled_block_size, kv_heads, head_dim = pools[0].shape
+        compiled_block_size = pools[0].shape[1]
         if block_size not in (None, compiled_block_size):
             raise GenerationError(f"block_size {block_size}: the model's KV blocks hold {compiled_block_size}")
         self.block_size, self.max_context = compiled_block_size, max_context
         self.num_blocks = num_blocks or DEFAULT_SEQUENCES * -(-max_context // self.block_size)
-        zeros = np.zeros((self.num_blocks, self.block_size, kv_heads, head_dim), dtype=np.float16)
-        self.pools = {p.name: ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", device_id) for p in pools}
+        self.pools = {  # each pool of its own heads and head size (values of their own size, MLA's latent)
+            p.name: ort.OrtValue.ortvalue_from_numpy(
+                np.zeros((self.num_blocks, self.block_size, *p.shape[2:]), dtype=np.float16), "cuda", device_id
+            )
+            for p in pools
+        }
         self.copier = BlockCopier(copier, self.pools)
         self.all_positions = self.session.get_outputs()[0].shape[1] != 1
         self.binding = self.session.io_binding()

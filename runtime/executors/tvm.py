@@ -32,7 +32,7 @@ from tvm.runtime.vm import VirtualMachine
 from tvm_ffi.libinfo import load_lib_ctypes
 
 from ...errors import GenerationError
-from ...step_io import KVLayout, pool_names
+from ...step_io import KVLayout, cache_layer
 from ..artifact import ArtifactError
 from ..cpu_features import check_host_cpu, host_cpu_refusal
 from ..executor import (
@@ -106,6 +106,12 @@ def use_prebuilt_kernels(binary: bytes, source_sha256: str) -> None:
     tvm_ffi.register_global_func("tvm_callback_cuda_compile", compile_cuda, override=True)
 
 
+def pool_shapes(inputs: Sequence[Mapping[str, Any]]) -> dict[str, tuple[int, int]]:
+    """Each KV pool's (kv_heads, head_dim) from the step's inputs as the manifest lists them
+    ([num_blocks, block_size, kv_heads, head_dim])."""
+    return {t["name"]: tuple(t["shape"][2:]) for t in inputs if cache_layer(t["name"]) is not None}
+
+
 class TvmExecutor(Executor):
     def __init__(
         self,
@@ -113,9 +119,7 @@ class TvmExecutor(Executor):
         weights: Mapping[str, np.ndarray],
         inputs: Sequence[str],
         *,
-        layers: int,
-        kv_heads: int,
-        head_dim: int,
+        pools: Mapping[str, tuple[int, int]],
         dtype: str,
         block_size: int,
         num_blocks: int,
@@ -125,7 +129,8 @@ class TvmExecutor(Executor):
         threads: int = 0,
     ) -> None:
         """`inputs`: the step function's data inputs in call order (the weights follow them, in `weights`'
-        order); `all_positions`: the step returns every packed token's logits (no last_token_logits)."""
+        order); `pools`: each KV pool's (kv_heads, head_dim), every pool of its own (values of their own head
+        size, MLA's latent); `all_positions`: the step returns every packed token's logits (no last_token_logits)."""
         self.threads, self._pooled = threads, threading.local()
         self.kv_layout = KVLayout.PAGED
         self.block_size, self.num_blocks, self.max_context = block_size, num_blocks, max_context
@@ -135,11 +140,9 @@ class TvmExecutor(Executor):
         self._step, self._copy_blocks = self.vm[STEP], self.vm[COPY_BLOCKS]
         self.params = [tvm.runtime.tensor(w, self.device) for w in weights.values()]
         self.inputs = list(inputs)
-        shape = (num_blocks, block_size, kv_heads, head_dim)
         self.pools = {
-            name: tvm.runtime.tensor(np.zeros(shape, dtype), self.device)
-            for layer in range(layers)
-            for name in pool_names(layer)
+            name: tvm.runtime.tensor(np.zeros((num_blocks, block_size, *shape), dtype), self.device)
+            for name, shape in pools.items()
         }
         missing = [name for name in self.pools if name not in self.inputs]
         if missing:
@@ -177,9 +180,7 @@ class TvmExecutor(Executor):
             str(artifact / step["file"]),
             weights.arrays(artifact, manifest),
             [t["name"] for t in step["inputs"]],
-            layers=layout["layers"],
-            kv_heads=layout["kv_heads"],
-            head_dim=layout["head_dim"],
+            pools=pool_shapes(step["inputs"]),
             dtype=manifest["dtype"],
             block_size=block_size,
             num_blocks=num_blocks,
