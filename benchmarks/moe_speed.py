@@ -96,9 +96,16 @@ def llamacpp_gguf(checkpoint: Path, directory: Path, kind: str) -> Path:
     source = PEERS / ".llama.cpp"
     f16 = directory / "moe.f16.gguf"
     if not f16.is_file():
-        environment = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
-        command = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f16"]
-        subprocess.run([*command, "--outfile", str(f16)], check=True, env=environment)
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), str(source / "gguf-py")])}
+        convert = (  # the checkpoint carries SmolLM2's tokenizer, which the converter knows as "smollm" by the hash
+            "import runpy, sys\n"  # of the original's files; this copy's differs, so the name is given
+            "from conversion import base\n"
+            "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'smollm'\n"
+            "sys.argv = sys.argv[1:]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')"
+        )
+        command = [sys.executable, "-c", convert, str(source / "convert_hf_to_gguf.py"), str(checkpoint)]
+        subprocess.run([*command, "--outtype", "f16", "--outfile", str(f16)], check=True, env=environment)
     quantize = (
         "import sys, llama_cpp\n"
         "params = llama_cpp.llama_model_quantize_default_params()\n"
