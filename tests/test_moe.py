@@ -21,6 +21,7 @@ from llmlower.frontend.experts_capture import gate_parameters, prepare_experts
 from llmlower.ir.moe import MOE_EXPERTS, moe_experts_reference
 from llmlower.ir.qmoe import QMOE_EXPERTS, qmoe_experts_reference
 from llmlower.ir.quant import QuantScheme, quantize
+from llmlower.roofline.cost import OP_ARGUMENTS
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOKENS, TOP_K = 6, 16, 8, 5, 2
 GPT_OSS_GATE = (1.702, 1.0, 7.0)
@@ -251,3 +252,16 @@ def test_the_tvm_kernel_dequantizes_the_chosen_experts_as_the_reference(name):
     result = tvm.runtime.tensor(np.zeros((TOKENS, Q_HIDDEN), np.float32), device)
     function(*[tvm.runtime.tensor(t.numpy(), device) for t in case if t is not None], result)
     assert _relative_error(result.numpy(), _qmoe_reference(case, bits, GPT_OSS_GATE)) < 1e-5
+
+
+def test_a_decode_step_costs_the_chosen_experts_packed_bytes():
+    """One token, top_k experts: their packed weights, scales and zero points, not the float weights."""
+    case, bits = _quantized_case(Q4_ZP4, QuantScheme(8, 32), biases=False)
+    args = [*case[:7], bits[0], *case[7:], bits[1]]
+    args[0], args[1], args[2] = case[0][:1], case[1][:1], case[2][:1]
+    cost = QMOE_EXPERTS.cost(**OP_ARGUMENTS["qmoe_experts"](args))
+    per_expert = sum(t[0].numel() * t[0].element_size() for t in case[3:] if t is not None)
+    packed = 2 * Q_INTERMEDIATE * Q_HIDDEN // 2 + Q_HIDDEN * Q_INTERMEDIATE  # int4 gate/up, int8 down
+    scales = 4 * (2 * Q_INTERMEDIATE * Q_HIDDEN // 32 + Q_HIDDEN * Q_INTERMEDIATE // 32)  # float32, groups of 32
+    assert per_expert == packed + scales + 2 * Q_INTERMEDIATE  # + one byte of zero points per gate/up row
+    assert cost.weight_bytes == TOP_K * per_expert
