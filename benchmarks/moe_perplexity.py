@@ -6,8 +6,11 @@ intermediate neurons are clustered by co-activation into `--experts` experts of 
 |activation| profiles over a calibration text), so each expert is a real slice of the trained MLP (its gate/up rows
 and down columns). A router (Mixtral's: softmax, top-k, renormalised) is fitted by least squares to predict the norm
 of each expert's output from the MLP's input, and scaled down so the renormalised weights of the k chosen experts
-are all ~1/k; the down projections are multiplied by k, so the layer computes the sum of the experts the router
-chose, the MLP restricted to their neurons. The choice matters: `--top-k 2` of 8 keeps a quarter of the neurons.
+are 1/k within 0.05%; the down projections are multiplied by k, so the layer computes the sum of the experts the
+router chose, the MLP restricted to their neurons. The choice matters, and costs: SwiGLU's neurons are not sparse
+as ReLU's are (MoEfication's setting), so dropping any hurts. On the text's first 512 tokens (transformers, fp32):
+all 8 experts reproduce the dense model (24.84), top 7 give 39.4, top 6 (the default) 62.2, top 4 442, top 2
+31,427. (A spread of 0.05 instead doubled the top-8 perplexity: the weights' 5% deviations from 1/k add up.)
 Attention, norms and embeddings are the dense model's. The calibration text is the documentation of Python's
 standard library (never the scored text). The checkpoint is written with safetensors as a Mixtral (`--out`).
 
@@ -15,7 +18,7 @@ Then each pipeline's perplexity of `--text` is measured with the torch reference
 `llmlower perplexity OUT --text FILE --quant QUANT` does, including the rows `--quant q4mix` was decided from.
 
     .venv/bin/python benchmarks/moe_perplexity.py --out /tmp/smollm2-moe [--model example] [--experts 8]
-        [--top-k 2] [--text tests/data/perplexity.txt] [--json FILE]
+        [--top-k 6] [--text tests/data/perplexity.txt] [--json FILE]
 """
 
 from __future__ import annotations
@@ -42,9 +45,8 @@ from quant_sensitivity import measure, print_table, with_overrides  # noqa: E402
 CALIBRATION_MODULES = ("argparse", "collections", "dataclasses", "difflib", "functools", "itertools", "json")
 CALIBRATION_MODULES += ("logging", "pathlib", "re", "statistics", "textwrap", "typing", "unittest", "email")
 CALIBRATION_TOKENS, CHUNK = 8192, 512
-LOGIT_SPREAD = 0.05  # the router's logits' standard deviation: softmax weights of the chosen within ~5% of 1/k
+LOGIT_SPREAD = 5e-4  # the router's logits' standard deviation: softmax weights of the chosen within ~0.05% of 1/k
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
-DENSE = "dense model before upcycling, fp32"
 QUANTS = ("q8", "q4g32", "q4g32-zp4", "q4g128-sym", "q4mix")
 
 
@@ -152,13 +154,10 @@ def upcycle(model_dir: Path, out: Path, experts: int, top_k: int) -> list[float]
 
 
 def rows() -> dict[str, list[PassSpec]]:
-    """Row label -> pipeline: fp32, each --quant, the routers kept in float, and the rows q4mix's experts were
+    """Row label -> pipeline: fp32, each --quant, and the rows q4mix's experts were
     decided from (the experts' names are <module>.gate_up_proj and <module>.down_proj)."""
     table = {"fp32": build_pipeline(all_logits=True)}
     table |= {quant: build_pipeline(quant=quant, all_logits=True) for quant in QUANTS}
-    table["q4g32, routers kept fp32 (--keep mlp.gate.)"] = build_pipeline(
-        quant="q4g32", keep=["mlp.gate."], all_logits=True
-    )
     for label, names in {
         "experts' gate/up": ("experts.gate_up_proj",),
         "experts' down": ("experts.down_proj",),
@@ -173,17 +172,16 @@ def main() -> None:
     parser.add_argument("--model", default="example", help="a dense Llama checkpoint directory, or example")
     parser.add_argument("--out", type=Path, required=True, help="where the MoE checkpoint is written (or reused)")
     parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--text", type=Path, default=Path(__file__).parent.parent / "tests/data/perplexity.txt")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args()
-    model_dir = example_checkpoint() if args.model == "example" else Path(args.model)
     if not (args.out / "config.json").exists():
+        model_dir = example_checkpoint() if args.model == "example" else Path(args.model)
         agreement = upcycle(model_dir, args.out, args.experts, args.top_k)
         print(f"[upcycle] router agreement, mean over layers: {np.mean(agreement):.0%}", file=sys.stderr)
     text = args.text.read_text(encoding="utf-8")
-    results = measure(model_dir, text, {DENSE: build_pipeline(all_logits=True)}, "dense")
-    results |= measure(args.out, text, rows(), "moe perplexity")
+    results = measure(args.out, text, rows(), "moe perplexity")
     title = f"perplexity of {args.text.name} ({args.out.name}: {args.experts} experts, top {args.top_k})"
     print_table(results, title, "fp32", "quantized weight MB")
     if args.json:
