@@ -48,6 +48,28 @@ def rows(kinds: list[str], base: str, probe: str) -> dict[str, list[PassSpec]]:
     return table
 
 
+def measure(model: str | Path, text: str, table: dict[str, list[PassSpec]], tag: str) -> dict[str, dict[str, Any]]:
+    """Each row's perplexity of `text` under `model` compiled with its pipeline (torch reference), and the bytes of
+    the weights the pipeline quantized (None when it quantizes nothing)."""
+    results: dict[str, dict[str, Any]] = {}
+    for label, pipeline in table.items():
+        print(f"[{tag}] {label}", file=sys.stderr, flush=True)
+        result, history = text_perplexity(model, text, pipeline)
+        stats = history[-1]["stats"] if history[-1]["name"] == "quantize_weights" else {}
+        results[label] = {"perplexity": result.perplexity, "weight_bytes": stats.get("quantized_weight_bytes_after")}
+    return results
+
+
+def print_table(results: dict[str, dict[str, Any]], title: str, reference: str, size_column: str) -> None:
+    """The rows as a markdown table, each perplexity also as a change against row `reference`'s."""
+    base = results[reference]["perplexity"]
+    print(title)
+    print(f"| pipeline | perplexity | vs {reference} | {size_column} |\n|---|---:|---:|---:|")
+    for label, row in results.items():
+        size = f"{row['weight_bytes'] / 1e6:.1f}" if row["weight_bytes"] else "-"
+        print(f"| {label} | {row['perplexity']:.2f} | {row['perplexity'] / base - 1:+.1%} | {size} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="example")
@@ -58,18 +80,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args()
     text = args.text.read_text(encoding="utf-8")
-    results: dict[str, dict[str, Any]] = {}
-    for label, pipeline in rows(args.kinds.split(","), args.base, args.probe).items():
-        print(f"[sensitivity] {label}", file=sys.stderr, flush=True)
-        result, history = text_perplexity(args.model, text, pipeline)
-        stats = history[-1]["stats"] if history[-1]["name"] == "quantize_weights" else {}
-        results[label] = {"perplexity": result.perplexity, "weight_bytes": stats.get("quantized_weight_bytes_after")}
-    reference = results["fp32"]["perplexity"]
-    print(f"perplexity of {args.text.name} ({args.model}); linear-layer weight bytes after quantization")
-    print("| pipeline | perplexity | vs fp32 | linear weight MB |\n|---|---:|---:|---:|")
-    for label, row in results.items():
-        size = f"{row['weight_bytes'] / 1e6:.1f}" if row["weight_bytes"] else "-"
-        print(f"| {label} | {row['perplexity']:.2f} | {row['perplexity'] / reference - 1:+.1%} | {size} |")
+    results = measure(args.model, text, rows(args.kinds.split(","), args.base, args.probe), "sensitivity")
+    title = f"perplexity of {args.text.name} ({args.model}); linear-layer weight bytes after quantization"
+    print_table(results, title, "fp32", "linear weight MB")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -10,6 +10,7 @@ from .paged_qkv_attention import PAGED_QKV_ATTENTION
 from .program import Program, TensorSpec
 from .qkv_attention import QKV_ATTENTION
 from .qlinear import QEMBEDDING, QLINEAR
+from .qmoe import QMOE_EXPERTS
 from .registry import OPS, Cost, OpDef, op_of, register_op
 from .rope import ROPE
 from .silu_mul import SILU_MUL
@@ -27,6 +28,7 @@ __all__ = [
     "QEMBEDDING",
     "QKV_ATTENTION",
     "QLINEAR",
+    "QMOE_EXPERTS",
     "RMS_NORM",
     "ROPE",
     "SILU_MUL",

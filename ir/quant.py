@@ -7,7 +7,9 @@ the tensors without repacking; a weight [N, K] becomes
   zeros                                zero points: None when symmetric (= 8); asymmetric with
                 [N, blocks]            float zero points in the scales' dtype (MatMulNBits takes these), or
           uint8 [N, ceil(blocks/2)]    packed 4-bit integer zero points (the "zp4" variant);
-with blocks = ceil(K / group) and K zero-padded to blocks x group. Dequantized: (q - zero) * scale.
+with blocks = ceil(K / group) and K zero-padded to blocks x group. A MoE layer's experts [E, N, K] are E such
+weights stacked: each tensor above gets a leading [E] (ONNX Runtime's QMoE reads them so).
+Dequantized: (q - zero) * scale.
 Symmetric: scale = max|w| / 7, q = clamp(round(w / scale), -8, 7) + 8.
 Asymmetric, float zero points (llama.cpp's Q4_1 grid): scale = (max - min) / 15, q = clamp(round((w - min) /
 scale), 0, 15), zero = -min / scale. A checkpoint that was Q4_1 (as the example GGUF is) is reproduced exactly.
@@ -79,12 +81,13 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
-    """Quantize a linear weight [N, K] (any float dtype; the math runs in float32)."""
-    out_features, in_features = weight.shape
+    """Quantize a linear weight [N, K], or a stack of them [..., N, K] (a MoE layer's experts: every tensor of the
+    result gets the same leading dims), in any float dtype; the math runs in float32."""
+    *rows, in_features = weight.shape
     group = scheme.group
     blocks = -(-in_features // group)
     w = torch.nn.functional.pad(weight.float(), (0, blocks * group - in_features))
-    w = w.reshape(out_features, blocks, group)
+    w = w.reshape(*rows, blocks, group)
     if scheme.symmetric:
         top = 2 ** (scheme.bits - 1) - 1  # 7 or 127
         scales = w.abs().amax(dim=-1) / top
@@ -114,14 +117,14 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
 def dequantize(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, in_features: int
 ) -> torch.Tensor:
-    """The float32 weight [N, K] a quantized weight stands for."""
-    out_features, blocks, _ = qweight.shape
-    q = (unpack_nibbles(qweight) if bits == 4 else qweight).float()  # [N, blocks, group]
+    """The float32 weight [..., N, K] a quantized weight (qweight [..., N, blocks, bytes]) stands for."""
+    blocks = qweight.shape[-2]
+    q = (unpack_nibbles(qweight) if bits == 4 else qweight).float()  # [..., N, blocks, group]
     if zeros is None:
-        zero = torch.full((out_features, blocks), 2.0 ** (bits - 1))
+        zero = torch.full(qweight.shape[:-1], 2.0 ** (bits - 1))
     elif zeros.dtype == torch.uint8:
-        zero = unpack_nibbles(zeros)[:, :blocks].float()
+        zero = unpack_nibbles(zeros)[..., :blocks].float()
     else:
         zero = zeros.float()
     w = (q - zero[..., None]) * scales.float()[..., None]
-    return w.reshape(out_features, -1)[:, :in_features]
+    return w.flatten(-2)[..., :in_features]

@@ -1,10 +1,12 @@
-"""quantize_weights: weight-only int8 or int4 (grouped) for linears, optionally embeddings.
+"""quantize_weights: weight-only int8 or int4 (grouped) for linears and MoE experts, optionally embeddings.
 
 Every aten.linear (or Conv1D addmm) with a constant weight becomes `qlinear` over the weight in the
-format of ir/quant.py, except the LM head with keep_lm_head, the embedding unless quantize_embedding, and
-weights whose name contains one of `keep`. The LM head takes int8 (lm_head_bits) under an int4 scheme by
-default, as llama.cpp keeps its output layer at higher precision: small models lose most of their int4
-quality there (SmolLM2: perplexity +34% with an int4 head, see the tests). A weight used twice (tied
+format of ir/quant.py, and every `moe_experts` over constant weights `qmoe_experts` (each expert quantized as a
+linear; gate/up and down named `<experts module>.gate_up_proj` / `.down_proj` for `keep` and `overrides`, the
+names transformers' own weights carry), except the LM head with keep_lm_head, the embedding unless
+quantize_embedding, and weights whose name contains one of `keep`. The LM head takes int8 (lm_head_bits)
+under an int4 scheme by default, as llama.cpp keeps its output layer at higher precision: small models lose
+most of their int4 quality there (SmolLM2: perplexity +34% with an int4 head, see the tests). A weight used twice (tied
 embedding and LM head) is quantized once and shared.
 """
 
@@ -17,8 +19,10 @@ import torch
 import torch.fx
 
 from ..errors import PassError
+from ..ir.moe import MOE_EXPERTS
 from ..ir.program import LOGITS, Program, fetch_attr
 from ..ir.qlinear import QEMBEDDING, QLINEAR
+from ..ir.qmoe import QMOE_EXPERTS
 from ..ir.quant import QuantizedWeight, QuantScheme, quantize
 from .graph_utils import finish, lm_head, output_node_for, replace_uses
 from .patterns import is_constant
@@ -38,7 +42,8 @@ class _Store:
     def get(
         self, target: str, scheme: QuantScheme, transposed: bool = False
     ) -> tuple[QuantizedWeight, list[str | None]]:
-        """The quantized form of weight `target` ([out, in]; [in, out] when `transposed`, as Conv1D stores it).
+        """The quantized form of weight `target` ([out, in]; [in, out] when `transposed`, as Conv1D stores it;
+        [experts, out, in] for a MoE layer's).
         Keyed by the tensor's memory, so a weight reachable under two names (tied) is quantized once."""
         weight = fetch_attr(self.gm, target)
         key = (weight.data_ptr(), tuple(weight.shape), transposed, scheme)
@@ -86,10 +91,42 @@ def _override(target: str, special: list[tuple[str, QuantScheme]], default: Quan
     return next((scheme for name, scheme in special if name in target), default)
 
 
-def _swap(graph: torch.fx.Graph, node: torch.fx.Node, op: Any, args: tuple) -> None:
+def _swap(graph: torch.fx.Graph, node: torch.fx.Node, op: Any, args: tuple, kwargs: dict | None = None) -> None:
     with graph.inserting_before(node):
-        new = graph.call_function(op, args)
+        new = graph.call_function(op, args, kwargs)
     replace_uses([node], [new])
+
+
+def _experts_path(node: torch.fx.Node, w_down: torch.fx.Node) -> str:
+    """The experts module's path (its innermost entry in torch.export's module stack), else its down weight's owner."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [entry[0] for entry in stack.values() if isinstance(entry, tuple) and entry and entry[0]]
+    return paths[-1] if paths else w_down.target.rpartition(".")[0]
+
+
+def _quantize_experts(
+    store: _Store, scheme: QuantScheme, special: list[tuple[str, QuantScheme]], keep: Sequence[str]
+) -> tuple[int, int]:
+    """moe_experts over constant weights -> qmoe_experts, gate/up and down each with the scheme its name selects;
+    both stay float when `keep` names either (qmoe_experts quantizes both). Returns (quantized, kept)."""
+    graph = store.gm.graph
+    quantized = kept = 0
+    for node in list(graph.nodes):
+        if node.target is not MOE_EXPERTS.overload or not (is_constant(node.args[3]) and is_constant(node.args[5])):
+            continue
+        x, ids, weights, w_up, b_up, w_down, b_down, *gate = node.args
+        path = _experts_path(node, w_down)
+        names = (f"{path}.gate_up_proj", f"{path}.down_proj")
+        if any(k in name for k in keep for name in names):
+            kept += 1
+            continue
+        up_scheme, down_scheme = (_override(name, special, scheme) for name in names)
+        up = store.attrs(node, store.get(w_up.target, up_scheme)[1])
+        down = store.attrs(node, store.get(w_down.target, down_scheme)[1])
+        args = (x, ids, weights, *up, b_up, up_scheme.bits, *down, b_down, down_scheme.bits, *gate)
+        _swap(graph, node, QMOE_EXPERTS.overload, args, dict(node.kwargs))
+        quantized += 1
+    return quantized, kept
 
 
 def quantize_weights(
@@ -129,6 +166,7 @@ def quantize_weights(
         qweight, scales, zeros = store.attrs(node, names)
         _swap(graph, node, QLINEAR.overload, (x, qweight, scales, zeros, bias, node_scheme.bits, packed.in_features))
         quantized += 1
+    experts, experts_kept = _quantize_experts(store, scheme, special, keep)
     for node in list(graph.nodes):
         if not quantize_embedding or node.target is not aten.embedding.default or not is_constant(node.args[0]):
             continue
@@ -151,6 +189,8 @@ def quantize_weights(
         "lm_head": "kept" if keep_lm_head else head_scheme.name,
         "linears_quantized": quantized,
         "linears_kept": kept,
+        "experts_quantized": experts,
+        "experts_kept": experts_kept,
         "embeddings_quantized": embeddings,
         "quantized_weight_bytes_before": store.bytes_before,
         "quantized_weight_bytes_after": store.bytes_after,
@@ -167,12 +207,14 @@ def _tolerance(options: dict[str, Any]) -> float:
 register_pass(
     Pass(
         name="quantize_weights",
-        summary="weight-only int8 (sym) / int4 (sym or asym), groups of 32-128 -> qlinear",
+        summary="weight-only int8 (sym) / int4 (sym or asym), groups of 32-128 -> qlinear, qmoe_experts",
         explain=(
             "Replaces each aten.linear with a constant weight by llmlower::qlinear over int8 weights (symmetric) "
             "or int4 weights in groups along the input dim (symmetric, zero point 8, or "
             "asymmetric with float zero points, or with packed 4-bit ones), in ONNX Runtime MatMulNBits' "
-            "layout. Options: bits, group, symmetric, packed_zeros, lm_head_bits (8 by default: the LM head "
+            "layout, and each llmlower::moe_experts by llmlower::qmoe_experts over its experts quantized alike "
+            "(named <experts module>.gate_up_proj and .down_proj for keep and overrides). "
+            "Options: bits, group, symmetric, packed_zeros, lm_head_bits (8 by default: the LM head "
             "in int8 under int4), keep_lm_head, "
             "quantize_embedding (llmlower::qembedding), keep (weight-name substrings left in full precision), "
             "overrides ([name substring, {bits, group, symmetric, packed_zeros}] pairs: the first whose name is in "

@@ -145,6 +145,15 @@ OP_ARGUMENTS: dict[str, Callable[[list[Any]], dict[str, int]]] = {
         expert_bytes=sum(nbytes(t) // t.shape[0] for t in a[3:7] if isinstance(t, torch.Tensor)),
         element_bytes=a[0].element_size(),
     ),
+    "qmoe_experts": lambda a: dict(
+        tokens=a[0].shape[0],
+        top_k=a[1].shape[1],
+        experts=a[3].shape[0],
+        hidden=a[0].shape[-1],
+        intermediate=a[3].shape[1] // 2,
+        expert_bytes=sum(nbytes(t) // t.shape[0] for t in a[3:12] if isinstance(t, torch.Tensor)),
+        element_bytes=a[0].element_size(),
+    ),
     "qembedding": lambda a: dict(
         rows=a[0].numel(),
         dim=a[5],
@@ -162,6 +171,7 @@ OP_KINDS = {
     "silu_mul": "elementwise",
     "qlinear": "matmul",
     "moe_experts": "matmul",
+    "qmoe_experts": "matmul",
     "qembedding": "embedding",
 }
 

@@ -117,7 +117,7 @@ def test_each_dialect_exports_and_parses_again(modules, programs, arch, quant, d
         )
 
 
-@pytest.mark.parametrize(("arch", "quant"), [("llama", "q8"), ("gpt2", "none")])
+@pytest.mark.parametrize(("arch", "quant"), [("llama", "q8"), ("gpt2", "none"), ("mixtral", "q4g32-zp4")])
 def test_the_decomposed_program_computes_what_the_program_does(programs, arch, quant):
     """The graph torch-mlir imports (weights as inputs, the op set decomposed by its references) run eagerly on a
     batch with past tokens: same logits and caches as the program."""
@@ -137,7 +137,7 @@ def test_the_decomposed_program_computes_what_the_program_does(programs, arch, q
         torch.testing.assert_close(value, expected[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize(("arch", "quant"), [("llama", "q8"), ("gpt2", "none")])
+@pytest.mark.parametrize(("arch", "quant"), [("llama", "q8"), ("gpt2", "none"), ("qwen3_moe", "q4mix")])
 def test_the_linalg_module_computes_the_step(modules, programs, arch, quant):
     """The dynamic linalg module compiled by torch-mlir's reference-backend passes and run by MLIR's execution
     engine with its runtime checks (an out-of-bounds access aborts): the program's logits and caches for steps of

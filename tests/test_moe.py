@@ -1,9 +1,12 @@
 """The moe_experts op: its gate found from the experts module, its ONNX Runtime and TVM lowerings against the
-reference (gpt-oss's clamped SwiGLU with biases too), and its cost counting only the chosen experts' weights."""
+reference (gpt-oss's clamped SwiGLU with biases too), and its cost counting only the chosen experts' weights.
+qmoe_experts (quantized experts): ONNX Runtime's QMoE where its CPU kernel computes the variant, the float MoE
+fallback where not, and the TVM kernel, each against the reference."""
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime
 import pytest
 import torch
@@ -12,10 +15,13 @@ import tvm
 from tvm import te
 
 from llmlower.backends.onnx.lowerings import translations
-from llmlower.backends.tvm.lowerings import moe_te
+from llmlower.backends.tvm.lowerings import _dequantized, moe_te
 from llmlower.errors import CaptureError
 from llmlower.frontend.experts_capture import gate_parameters, prepare_experts
 from llmlower.ir.moe import MOE_EXPERTS, moe_experts_reference
+from llmlower.ir.qmoe import QMOE_EXPERTS, qmoe_experts_reference
+from llmlower.ir.quant import QuantScheme, quantize
+from llmlower.roofline.cost import OP_ARGUMENTS
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOKENS, TOP_K = 6, 16, 8, 5, 2
 GPT_OSS_GATE = (1.702, 1.0, 7.0)
@@ -68,21 +74,39 @@ def test_the_reference_is_the_per_expert_loop(gate, biases):
     torch.testing.assert_close(moe_experts_reference(*case, *gate), _per_expert(case, gate), rtol=1e-4, atol=1e-4)
 
 
+INPUTS = 3  # x, expert_ids, expert_weights: the rest are the layer's weights
+
+
+def _onnx_model(op, case: tuple, constants: tuple, accuracy_level: int = 4) -> onnx.ModelProto:
+    """op(*case, *constants) exported by torch.onnx with the project's translations: x, ids and weights are the
+    model's inputs, the experts' tensors its initializers (as in a compiled model: ONNX Runtime prepacks those)."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for i, tensor in enumerate(case[INPUTS:]):
+                if tensor is not None:
+                    self.register_buffer(f"w{i}", tensor)
+
+        def forward(self, *inputs):
+            tensors = [getattr(self, f"w{i}") if t is not None else None for i, t in enumerate(case[INPUTS:])]
+            return op(*inputs, *tensors, *constants)
+
+    exported = torch.export.export(Layer(), case[:INPUTS])
+    table = translations(accuracy_level)
+    return torch.onnx.export(exported, custom_translation_table=table, dynamo=True).model_proto
+
+
+def _run_onnx(model: onnx.ModelProto, case: tuple) -> np.ndarray:
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), case, strict=False)})
+    return got
+
+
 @pytest.mark.parametrize(("gate", "biases"), GATES)
 def test_onnx_runtime_moe_matches_the_reference(gate, biases):
     case = _case(biases)
-    present = [t for t in case if t is not None]
-
-    class Present(torch.nn.Module):  # the exporter takes tensors only: the absent biases are fixed None
-        def forward(self, *tensors):
-            values = iter(tensors)
-            return MoeLayer(gate)(*(next(values) if t is not None else None for t in case))
-
-    exported = torch.export.export(Present(), tuple(present))
-    model = torch.onnx.export(exported, custom_translation_table=translations(), dynamo=True).model_proto
-    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), present, strict=True)}
-    (got,) = session.run(None, feeds)
+    got = _run_onnx(_onnx_model(MOE_EXPERTS.op, case, gate), case)
     np.testing.assert_allclose(got, moe_experts_reference(*case, *gate).numpy(), rtol=1e-4, atol=1e-4)
 
 
@@ -96,7 +120,8 @@ def test_the_tvm_kernel_matches_the_reference(gate, biases):
         if t is not None
     }
     p = placeholders
-    out = moe_te(p["x"], p["ids"], p["weights"], p["w_up"], p.get("b_up"), p["w_down"], p.get("b_down"), *gate)
+    up, down = (lambda e, n, k, w=p[name]: w[e, n, k] for name in ("w_up", "w_down"))
+    out = moe_te(p["x"], p["ids"], p["weights"], up, p.get("b_up"), down, p.get("b_down"), INTERMEDIATE, gate)
     function = tvm.compile(te.create_prim_func([*p.values(), out]), target="llvm")
     device = tvm.cpu()
     arguments = [tvm.runtime.tensor(t.numpy(), device) for t in case if t is not None]
@@ -137,3 +162,106 @@ def test_a_decode_step_costs_the_chosen_experts_weights_only():
     prefill = MOE_EXPERTS.cost(512, TOP_K, EXPERTS, HIDDEN, INTERMEDIATE, one_expert, 4)
     assert decode.weight_bytes == TOP_K * one_expert
     assert prefill.weight_bytes == EXPERTS * one_expert
+
+
+Q_HIDDEN, Q_INTERMEDIATE = 64, 32  # QMoE needs both sizes divisible by the block size
+Q4_ZP4 = QuantScheme(4, 32, symmetric=False, packed_zeros=True)
+# name -> (gate/up scheme, down scheme, whether ONNX Runtime's QMoE computes it: else the float MoE fallback)
+QUANTIZED = {
+    "q4g32-sym": (QuantScheme(4, 32), QuantScheme(4, 32), True),
+    "q4g16-zp4": (QuantScheme(4, 16, symmetric=False, packed_zeros=True),) * 2 + (True,),
+    "q8": (QuantScheme(8, 32), QuantScheme(8, 32), True),
+    "q4g32 float zeros": (QuantScheme(4, 32, symmetric=False), QuantScheme(4, 32, symmetric=False), False),
+    "q4g32-zp4 gate/up, q8 down": (Q4_ZP4, QuantScheme(8, 32), False),
+    "q4g64-zp4 (64 > intermediate)": (QuantScheme(4, 64, symmetric=False, packed_zeros=True),) * 2 + (False,),
+}
+
+
+def _quantized_case(up: QuantScheme, down: QuantScheme, biases: bool) -> tuple[tuple, tuple[int, int]]:
+    """qmoe_experts' tensors (x, ids, weights, up q/scales/zeros/bias, down q/scales/zeros/bias) and bits."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(TOKENS, Q_HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(TOKENS)])
+    weights = torch.rand(TOKENS, TOP_K, generator=gen) + 0.1
+    w_up = quantize(torch.randn(EXPERTS, 2 * Q_INTERMEDIATE, Q_HIDDEN, generator=gen) * 0.3, up)
+    w_down = quantize(torch.randn(EXPERTS, Q_HIDDEN, Q_INTERMEDIATE, generator=gen) * 0.3, down)
+    b_up = torch.randn(EXPERTS, 2 * Q_INTERMEDIATE, generator=gen) if biases else None
+    b_down = torch.randn(EXPERTS, Q_HIDDEN, generator=gen) if biases else None
+    tensors = (x, ids, weights, w_up.qweight, w_up.scales, w_up.zeros, b_up)
+    return tensors + (w_down.qweight, w_down.scales, w_down.zeros, b_down), (up.bits, down.bits)
+
+
+def _qmoe(bits: tuple[int, int]):
+    """qmoe_experts over the tensors of _quantized_case, its bits fixed."""
+
+    def op(x, ids, weights, up_q, up_s, up_z, b_up, down_q, down_s, down_z, b_down, *gate):
+        up, down = (up_q, up_s, up_z, b_up, bits[0]), (down_q, down_s, down_z, b_down, bits[1])
+        return QMOE_EXPERTS.op(x, ids, weights, *up, *down, *gate)
+
+    return op
+
+
+def _qmoe_reference(case: tuple, bits: tuple[int, int], gate) -> np.ndarray:
+    return qmoe_experts_reference(*case[:7], bits[0], *case[7:], bits[1], *gate).numpy()
+
+
+def _experts_kernels(model: onnx.ModelProto) -> list[str]:
+    return [node.op_type for node in model.graph.node if node.op_type in ("MoE", "QMoE")]
+
+
+def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(got - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("accuracy_level", [0, 4])
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_onnx_runtime_qmoe_or_its_fallback_matches_the_reference(name, accuracy_level):
+    """QMoE where its CPU kernel computes the variant: exact with 4 bits at accuracy_level 0, int8 activations
+    (~1-2% error) at level 4 and with 8 bits at any level, so 8 bits at level 0 falls back to stay exact; float zero
+    points, mixed bits and a block size that does not divide the sizes fall back to the float MoE (exact)."""
+    up, down, native = QUANTIZED[name]
+    case, bits = _quantized_case(up, down, biases=False)
+    model = _onnx_model(_qmoe(bits), case, (1.0, 0.0, 0.0), accuracy_level)
+    kernel = "QMoE" if native and not (bits[0] == 8 and accuracy_level == 0) else "MoE"
+    assert _experts_kernels(model) == [kernel]
+    error = _relative_error(_run_onnx(model, case), _qmoe_reference(case, bits, (1.0, 0.0, 0.0)))
+    exact = kernel == "MoE" or accuracy_level == 0
+    assert error < 1e-5 if exact else 1e-3 < error < 5e-2, error
+
+
+def test_onnx_runtime_qmoe_takes_the_clamped_swiglu_and_biases():
+    case, bits = _quantized_case(Q4_ZP4, Q4_ZP4, biases=True)
+    model = _onnx_model(_qmoe(bits), case, GPT_OSS_GATE, accuracy_level=0)
+    assert _experts_kernels(model) == ["QMoE"]
+    assert _relative_error(_run_onnx(model, case), _qmoe_reference(case, bits, GPT_OSS_GATE)) < 1e-5
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_the_tvm_kernel_dequantizes_the_chosen_experts_as_the_reference(name):
+    up, down, _ = QUANTIZED[name]
+    case, bits = _quantized_case(up, down, biases=True)
+    names = ["x", "ids", "weights", "up_q", "up_s", "up_z", "b_up", "down_q", "down_s", "down_z", "b_down"]
+    dtypes = {torch.int64: "int64", torch.uint8: "uint8", torch.float32: "float32"}
+    given = [(n, t) for n, t in zip(names, case, strict=True) if t is not None]
+    p = {n: te.placeholder(tuple(t.shape), dtypes[t.dtype], n) for n, t in given}
+    w_up = _dequantized(p["up_q"], p["up_s"], p.get("up_z"), bits[0])
+    w_down = _dequantized(p["down_q"], p["down_s"], p.get("down_z"), bits[1])
+    out = moe_te(p["x"], p["ids"], p["weights"], w_up, p["b_up"], w_down, p["b_down"], Q_INTERMEDIATE, GPT_OSS_GATE)
+    function = tvm.compile(te.create_prim_func([*p.values(), out]), target="llvm")
+    device = tvm.cpu()
+    result = tvm.runtime.tensor(np.zeros((TOKENS, Q_HIDDEN), np.float32), device)
+    function(*[tvm.runtime.tensor(t.numpy(), device) for t in case if t is not None], result)
+    assert _relative_error(result.numpy(), _qmoe_reference(case, bits, GPT_OSS_GATE)) < 1e-5
+
+
+def test_a_decode_step_costs_the_chosen_experts_packed_bytes():
+    """One token, top_k experts: their packed weights, scales and zero points, not the float weights."""
+    case, bits = _quantized_case(Q4_ZP4, QuantScheme(8, 32), biases=False)
+    args = [*case[:7], bits[0], *case[7:], bits[1]]
+    args[0], args[1], args[2] = case[0][:1], case[1][:1], case[2][:1]
+    cost = QMOE_EXPERTS.cost(**OP_ARGUMENTS["qmoe_experts"](args))
+    per_expert = sum(t[0].numel() * t[0].element_size() for t in case[3:] if t is not None)
+    packed = 2 * Q_INTERMEDIATE * Q_HIDDEN // 2 + Q_HIDDEN * Q_INTERMEDIATE  # int4 gate/up, int8 down
+    scales = 4 * (2 * Q_INTERMEDIATE * Q_HIDDEN // 32 + Q_HIDDEN * Q_INTERMEDIATE // 32)  # float32, groups of 32
+    assert per_expert == packed + scales + 2 * Q_INTERMEDIATE  # + one byte of zero points per gate/up row
+    assert cost.weight_bytes == TOP_K * per_expert

@@ -62,6 +62,19 @@ def test_quantized_lowering_is_exact_in_float32(quant, tiny_checkpoints):
     assert _max_difference(program, accuracy_level=0) <= 1e-4
 
 
+@pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4mix"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_quantized_experts_are_exact_in_float32(arch, quant, tiny_checkpoints):
+    """Quantized experts at accuracy_level 0: QMoE computes 4-bit packed zero points in float32; q8 (QMoE has
+    only int8 activations at 8 bits), float zero points (q4g32) and mixed bits (q4mix) run the float MoE over
+    the dequantized experts. Either way the reference's logits."""
+    program = run_pipeline(capture(load(tiny_checkpoints[arch])), build_pipeline(quant=quant))
+    assert program.history[-1].stats["experts_quantized"] == 2
+    kernels = [n.op_type for n in to_onnx(program, accuracy_level=0).graph.node if n.op_type in ("MoE", "QMoE")]
+    assert kernels == ["QMoE" if quant == "q4g32-zp4" else "MoE"] * 2
+    assert _max_difference(program, accuracy_level=0) <= 1e-4
+
+
 def test_an_op_without_lowering_is_named(tiny_checkpoints):
     program = run_pipeline(capture(load(tiny_checkpoints["gpt2"])), build_pipeline(quant="q8", quantize_embedding=True))
     with pytest.raises(LoweringError, match=r"cannot lower node qembedding\w* \(op llmlower.qembedding"):

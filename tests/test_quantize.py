@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from llmlower.errors import PassError
 from llmlower.frontend import capture, load
-from llmlower.ir import QEMBEDDING, QLINEAR
+from llmlower.ir import MOE_EXPERTS, QEMBEDDING, QLINEAR, QMOE_EXPERTS
 from llmlower.ir.program import fetch_attr
 from llmlower.ir.quant import QuantScheme, dequantize, quantize
 from llmlower.passes import DEFAULT_PIPELINE, build_pipeline, run_pipeline
@@ -190,3 +190,19 @@ def test_int4_verification_bounds_and_sizes(gpt2_program):
 def test_bad_group_size_is_named(gpt2_program):
     with pytest.raises(PassError, match="group size"):
         run_pipeline(copy.deepcopy(gpt2_program), [("quantize_weights", {"bits": 4, "group": 48})])
+
+
+def test_moe_experts_are_quantized_under_their_transformers_names(tiny_checkpoints):
+    """Each experts module's gate/up and down are named <module>.gate_up_proj / .down_proj for overrides and keep:
+    q4mix gives gate/up its int4 (4-bit zero points, per expert) and down int8; keeping either keeps both."""
+    captured = capture(load(tiny_checkpoints["mixtral"]))
+    program = run_pipeline(copy.deepcopy(captured), build_pipeline(quant="q4mix"))
+    assert program.history[-1].stats["experts_quantized"] == 2
+    for node in _targets(program, QMOE_EXPERTS.overload):
+        up_qweight, up_zeros, down_qweight = (fetch_attr(program.graph_module, node.args[i].target) for i in (3, 5, 8))
+        assert (node.args[7], node.args[12]) == (4, 8) and node.args[10] is None
+        assert up_qweight.shape == (4, 2 * 128, 64 // 32, 16) and up_zeros.dtype == torch.uint8
+        assert down_qweight.shape == (4, 64, 128 // 32, 32)
+    kept = run_pipeline(copy.deepcopy(captured), build_pipeline(quant="q8", keep=["experts.down_proj"]))
+    assert kept.history[-1].stats["experts_kept"] == 2
+    assert not _targets(kept, QMOE_EXPERTS.overload) and len(_targets(kept, MOE_EXPERTS.overload)) == 2

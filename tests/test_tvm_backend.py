@@ -88,6 +88,12 @@ def test_quantized_lowering_is_exact(quant, captures):
     assert _max_difference(_paged(captures, "llama", quant=quant)) <= TOLERANCE
 
 
+@pytest.mark.parametrize(("arch", "quant"), [("mixtral", "q4g32-zp4"), ("qwen3_moe", "q4mix"), ("mixtral", "q8")])
+def test_quantized_experts_are_exact(arch, quant, captures):
+    """qmoe_experts dequantizes the chosen experts inside its reductions: the reference's logits."""
+    assert _max_difference(_paged(captures, arch, quant=quant)) <= TOLERANCE
+
+
 def test_a_quantized_embedding_lowers(captures):
     assert _max_difference(_paged(captures, "gpt2", quant="q8", quantize_embedding=True)) <= TOLERANCE
 

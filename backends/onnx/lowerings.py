@@ -20,11 +20,13 @@ from ...ir import (
     PAGED_QKV_ATTENTION,
     QKV_ATTENTION,
     QLINEAR,
+    QMOE_EXPERTS,
     RMS_NORM,
     ROPE,
     SILU_MUL,
 )
 from . import paged_lowerings
+from .moe_lowerings import moe_experts, qmoe_lowering
 from .paged_lowerings import attention_extras
 from .schemas import ensure_schema
 
@@ -36,8 +38,6 @@ ensure_schema("com.microsoft", "GroupQueryAttention", outputs=3)  # no output_qk
 ensure_schema("com.microsoft", "SkipSimplifiedLayerNormalization")
 ensure_schema("com.microsoft", "MatMulNBits")
 ensure_schema("", "SimplifiedLayerNormalization", outputs=1)  # no inv_std_var
-ensure_schema("com.microsoft", "MoE")
-UNCHOSEN_LOGIT = -1e9  # a router logit whose softmax weight is exactly 0
 
 
 def _heads_first_to_packed(x):
@@ -276,37 +276,6 @@ def silu_mul(x):
     return op.Mul(op.Mul(gate, op.Sigmoid(gate)), up)
 
 
-def moe_experts(
-    x, expert_ids, expert_weights, w_up, b_up, w_down, b_down, alpha: float = 1.0, beta: float = 0.0, limit: float = 0.0
-):
-    """ONNX Runtime's MoE, which routes by itself (softmax, then top-k, renormalised): its router logits are
-    log(weight) at the chosen experts and UNCHOSEN_LOGIT elsewhere, so it picks the model's experts with
-    weights w / sum(w), and its output is scaled back by sum(w). It runs only the chosen experts."""
-    experts = w_up.shape[0]
-    rows = op.Shape(x, start=0, end=1)
-    shape = op.Concat(rows, op.Constant(value_ints=[experts]), axis=0)
-    unchosen = op.Expand(op.CastLike(op.Constant(value_float=UNCHOSEN_LOGIT), x), shape)
-    weights = op.CastLike(expert_weights, x)
-    logits = op.ScatterElements(unchosen, expert_ids, op.Log(weights), axis=1)
-    clamp = {"swiglu_limit": limit} if limit > 0 else {}
-    out = MSFT.MoE(
-        x,
-        logits,
-        w_up,
-        b_up,
-        w_down,
-        b_down,
-        k=expert_ids.shape[1],
-        activation_type="swiglu",
-        swiglu_fusion=1,
-        activation_alpha=alpha,
-        activation_beta=beta,
-        normalize_routing_weights=1,
-        **clamp,
-    )
-    return op.Mul(out, op.ReduceSum(weights, op.Constant(value_ints=[1]), keepdims=1))
-
-
 def _group_sums(x, blocks: int, group: int, in_features: int):
     """x [..., K] -> sums over each quantization group [..., blocks]: one MatMul by a constant 0/1 matrix [K, blocks]
     (a single node; Pad + Reshape + ReduceSum cost three dispatches per linear, ~1.5 ms of a SmolLM2 token)."""
@@ -360,4 +329,5 @@ def translations(accuracy_level: int = 4) -> dict:
         SILU_MUL.overload: silu_mul,
         MOE_EXPERTS.overload: moe_experts,
         QLINEAR.overload: qlinear_lowering(accuracy_level),
+        QMOE_EXPERTS.overload: qmoe_lowering(accuracy_level),
     }

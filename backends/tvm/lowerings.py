@@ -22,6 +22,7 @@ from ...ir import (
     PAGED_QKV_ATTENTION,
     QEMBEDDING,
     QLINEAR,
+    QMOE_EXPERTS,
     RMS_NORM,
     ROPE,
     SILU_MUL,
@@ -166,30 +167,32 @@ def paged_qkv_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Ex
 
 def _dequantized(
     qweight: te.Tensor, scales: te.Tensor, zeros: te.Tensor | None, bits: int, nibble_major: bool = False
-) -> Callable[[tirx.PrimExpr, tirx.PrimExpr], tirx.PrimExpr]:
-    """A TE expression builder w(n, k) for the float weight of a quantized one (ir/quant.py's layout:
-    qweight [N, blocks, bytes per block], nibbles low first; zeros None, float [N, blocks] or nibbles).
+) -> Callable[..., tirx.PrimExpr]:
+    """A TE expression builder w(*rows, k) for the float weight of a quantized one (ir/quant.py's layout:
+    qweight [..., N, blocks, bytes per block], nibbles low first; zeros None, float [..., N, blocks] or nibbles;
+    `rows` index the leading dims and N: (n,) for a linear, (expert, n) for a MoE layer's experts).
     `nibble_major` (4 bits): k counts each group's low nibbles, then its high ones (see `_nibble_order`)."""
     per_byte = 8 // bits
-    group = int(qweight.shape[2]) * per_byte
+    group = int(qweight.shape[-1]) * per_byte
     half = group // 2
 
-    def quantized(n: tirx.PrimExpr, k: tirx.PrimExpr) -> tirx.PrimExpr:
+    def quantized(rows: tuple, k: tirx.PrimExpr) -> tirx.PrimExpr:
         if bits == 8:
-            return qweight[n, k // group, k % group]
+            return qweight[(*rows, k // group, k % group)]
         if nibble_major:  # consecutive k: consecutive bytes, one shift
-            return (qweight[n, k // group, k % half] >> (k % group // half * 4).astype("uint8")) & 15
-        return (qweight[n, k // group, k % group // 2] >> (k % 2 * 4).astype("uint8")) & 15
+            return (qweight[(*rows, k // group, k % half)] >> (k % group // half * 4).astype("uint8")) & 15
+        return (qweight[(*rows, k // group, k % group // 2)] >> (k % 2 * 4).astype("uint8")) & 15
 
-    def weight(n: tirx.PrimExpr, k: tirx.PrimExpr) -> tirx.PrimExpr:
+    def weight(*index: tirx.PrimExpr) -> tirx.PrimExpr:
+        rows, k = index[:-1], index[-1]
         block = k // group
         if zeros is None:
             zero = tirx.const(2 ** (bits - 1), scales.dtype)
         elif zeros.dtype == "uint8":
-            zero = ((zeros[n, block // 2] >> ((block % 2) * 4).astype("uint8")) & 15).astype(scales.dtype)
+            zero = ((zeros[(*rows, block // 2)] >> ((block % 2) * 4).astype("uint8")) & 15).astype(scales.dtype)
         else:
-            zero = zeros[n, block]
-        return (quantized(n, k).astype(scales.dtype) - zero) * scales[n, block]
+            zero = zeros[(*rows, block)]
+        return (quantized(rows, k).astype(scales.dtype) - zero) * scales[(*rows, block)]
 
     return weight
 
@@ -249,6 +252,7 @@ def qembedding(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
 
 
 SWIGLU_DEFAULTS = (1.0, 0.0, 0.0)  # moe_experts' alpha, beta, limit
+ExpertWeight = Callable[..., "tirx.PrimExpr"]  # (expert, row, column) -> the weight there
 
 
 def _expert_bias(out: te.Tensor, bias: te.Tensor | None, ids: te.Tensor, name: str) -> te.Tensor:
@@ -258,16 +262,28 @@ def _expert_bias(out: te.Tensor, bias: te.Tensor | None, ids: te.Tensor, name: s
     return te.compute(out.shape, lambda t, j, n: out[t, j, n] + bias[ids[t, j], n].astype("float32"), name=name)
 
 
-def moe_te(x, ids, weights, w_up, b_up, w_down, b_down, alpha: float, beta: float, limit: float) -> te.Tensor:
-    """The chosen experts of each token: its up and down matmuls index the expert weights by the router's ids
-    inside the reduction, so a step reads the chosen experts' rows only (never a gathered copy)."""
+def moe_te(
+    x: te.Tensor,
+    ids: te.Tensor,
+    weights: te.Tensor,
+    w_up: ExpertWeight,
+    b_up: te.Tensor | None,
+    w_down: ExpertWeight,
+    b_down: te.Tensor | None,
+    intermediate: int,
+    gate: tuple[float, float, float],
+) -> te.Tensor:
+    """The chosen experts of each token: its up and down matmuls read the expert weights (`w_up(e, 2I row, h)`,
+    `w_down(e, h, i)`: a tensor's elements, or quantized ones dequantized there) at the router's ids inside the
+    reduction, so a step reads the chosen experts' rows only (never a gathered or dequantized copy)."""
     tokens, top_k = ids.shape
-    hidden, intermediate = w_down.shape[1], w_down.shape[2]
+    hidden = x.shape[1]
+    alpha, beta, limit = gate
     h = te.reduce_axis((0, hidden), name="h")
 
     gate_up = te.compute(
         (tokens, top_k, 2 * intermediate),
-        lambda t, j, u: te.sum(x[t, h].astype("float32") * w_up[ids[t, j], u, h].astype("float32"), axis=h),
+        lambda t, j, u: te.sum(x[t, h].astype("float32") * w_up(ids[t, j], u, h).astype("float32"), axis=h),
         name="moe_up",
     )
     gate_up = _expert_bias(gate_up, b_up, ids, "moe_up_bias")
@@ -283,7 +299,7 @@ def moe_te(x, ids, weights, w_up, b_up, w_down, b_down, alpha: float, beta: floa
 
     expert_out = te.compute(
         (tokens, top_k, hidden),
-        lambda t, j, d: te.sum(act[t, j, i] * w_down[ids[t, j], d, i].astype("float32"), axis=i),
+        lambda t, j, d: te.sum(act[t, j, i] * w_down(ids[t, j], d, i).astype("float32"), axis=i),
         name="moe_down",
     )
     expert_out = _expert_bias(expert_out, b_down, ids, "moe_down_bias")
@@ -295,18 +311,44 @@ def moe_te(x, ids, weights, w_up, b_up, w_down, b_down, alpha: float, beta: floa
     )
 
 
+def _gate(args: list) -> tuple[float, float, float]:
+    """alpha, beta, limit from the op's trailing arguments (the export leaves default arguments out)."""
+    return tuple(float(v) for v in (*args, *SWIGLU_DEFAULTS[len(args) :]))
+
+
+def _optional(tensors: list, present: list[bool]) -> list:
+    """emit_te's tensors back in their argument slots: None where an optional one was absent."""
+    given = iter(tensors)
+    return [next(given) if p else None for p in present]
+
+
 def moe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     x, ids, weights, w_up, b_up, w_down, b_down, *gate = importer.retrieve_args(node)
-    alpha, beta, limit = (*gate, *SWIGLU_DEFAULTS[len(gate) :])  # the export leaves default arguments out
-    tensors = [x, ids, weights, w_up, w_down] + [t for t in (b_up, b_down) if t is not None]
+    optional = [b_up, b_down]
+    tensors = [x, ids, weights, w_up, w_down] + [t for t in optional if t is not None]
 
     def compute(x, ids, weights, w_up, w_down, *biases):
-        biases = list(biases)
-        up_bias = biases.pop(0) if b_up is not None else None
-        down_bias = biases.pop(0) if b_down is not None else None
-        return moe_te(x, ids, weights, w_up, up_bias, w_down, down_bias, alpha, beta, limit)
+        up_bias, down_bias = _optional(list(biases), [t is not None for t in optional])
+        up, down = (lambda e, n, k, w=w: w[e, n, k] for w in (w_up, w_down))
+        return moe_te(x, ids, weights, up, up_bias, down, down_bias, int(w_down.shape[2]), _gate(gate))
 
     return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="moe_experts")
+
+
+def qmoe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    """moe_te over the packed experts, each weight dequantized where the reduction reads it."""
+    args = importer.retrieve_args(node)
+    x, ids, weights, up_q, up_s, up_z, b_up, up_bits, down_q, down_s, down_z, b_down, down_bits, *gate = args
+    optional = [up_z, b_up, down_z, b_down]
+    tensors = [x, ids, weights, up_q, up_s, down_q, down_s] + [t for t in optional if t is not None]
+
+    def compute(x, ids, weights, up_q, up_s, down_q, down_s, *rest):
+        up_zeros, up_bias, down_zeros, down_bias = _optional(list(rest), [t is not None for t in optional])
+        up = _dequantized(up_q, up_s, up_zeros, up_bits)
+        down = _dequantized(down_q, down_s, down_zeros, down_bits)
+        return moe_te(x, ids, weights, up, up_bias, down, down_bias, int(up_q.shape[1]) // 2, _gate(gate))
+
+    return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="qmoe_experts")
 
 
 def _matmul_float32(importer: StepImporter, a: relax.Expr, b: relax.Expr) -> relax.Expr:
@@ -339,6 +381,7 @@ CONVERTERS: dict[str, Converter] = {
     QLINEAR.name: qlinear,
     QEMBEDDING.name: qembedding,
     MOE_EXPERTS.name: moe_experts,
+    QMOE_EXPERTS.name: qmoe_experts,
 }
 
 
