@@ -27,7 +27,9 @@ QUANT_NAMES = (
 # q4mix: q4g32-zp4 where int4 costs little quality (the attention output and the MLP's gate/up projections,
 # ~60% of a Llama layer's weights), q8 for q/k/v, down and the LM head, the projections most sensitive to
 # int4's rounded zero points (SmolLM2, tests/data/perplexity.txt: q/k/v +10%, down +6%, o +1%, gate/up +3%).
-# No float zero points: no correction ops (MatMulNBits takes both natively).
+# No float zero points: no correction ops (MatMulNBits takes both natively). MoE experts follow the dense MLP
+# ("up_proj" names their gate_up_proj): gate/up int4, down int8, measured on an upcycled SmolLM2 MoE
+# (benchmarks/moe_perplexity.py: gate/up +8.6%, down +18.5%, both +23.5%).
 MIXES = {"q4mix": ("q8", "q4g32-zp4", ("o_proj", "gate_proj", "up_proj"))}  # name -> (base, int4 scheme, its weights)
 _INT8 = re.compile(r"q8(?:g(32|64|128))?")
 _INT4 = re.compile(r"q4g(32|64|128)(-sym|-zp4)?")
