@@ -117,18 +117,22 @@ def llamacpp_gguf(checkpoint: Path, directory: Path, kind: str) -> Path:
     return target
 
 
+def read_bytes(checkpoint: Path, quant: str, context: int) -> int:
+    """Bytes a decoded token reads at `context` (the roofline cost model on the checkpoint's program after
+    `quant`'s pipeline: the chosen experts only)."""
+    return decode_read_bytes(run_pipeline(capture(load(checkpoint)), build_pipeline(quant=quant)), context)
+
+
 def dense_read_bytes(args: argparse.Namespace, vocab: int, quant: str, context: int) -> int:
-    """Bytes a decoded token reads in the dense model of the same active size (an MLP of top_k x expert_size in
-    place of the experts), from the cost model on its captured program (random weights: only shapes matter)."""
+    """read_bytes of the dense model of the same active size: an MLP of top_k x expert_size in place of the
+    experts (random weights: only shapes matter)."""
     config = moe_config(args, vocab)
     dense = transformers.Qwen3Config(**{**config.to_dict(), "intermediate_size": args.top_k * args.expert_size})
     with tempfile.TemporaryDirectory() as root:
-        model = transformers.AutoModelForCausalLM.from_config(dense)
-        model.save_pretrained(root, safe_serialization=True)
+        transformers.AutoModelForCausalLM.from_config(dense).save_pretrained(root, safe_serialization=True)
         for name in TOKENIZER_FILES:
             shutil.copy(example_checkpoint() / name, Path(root) / name)
-        program = run_pipeline(capture(load(root)), build_pipeline(quant=quant))
-    return decode_read_bytes(program, context)
+        return read_bytes(Path(root), quant, context)
 
 
 def main() -> None:
@@ -153,22 +157,20 @@ def main() -> None:
     workdir = args.workdir / shape
     checkpoint = write_checkpoint(workdir / "checkpoint", args)
     ceilings = machine_ceilings("cpu")
-    loaded = load(checkpoint)
-    captured = capture(loaded)
     filler = list(range(1000, 1000 + max(PROMPT_TOKENS)))
     prompts = {n: filler[:n] for n in PROMPT_TOKENS}
     offline = [[2000 + 37 * i + j for j in range(OFFLINE_PROMPT)] for i in range(OFFLINE_REQUESTS)]
     context = max(PROMPT_TOKENS) + args.new_tokens + 1
     read_context = PROMPT_TOKENS[0] + args.new_tokens // 2
+    directories = {backend: workdir / f"{backend}-{args.quant}" for backend in args.backends.split(",")}
+    for backend, directory in directories.items():  # first, alone in memory: compiling holds the model in float32
+        ensure_artifact(str(checkpoint), backend, {"quant": args.quant}, directory)  # more than once
+    moe_bytes = read_bytes(checkpoint, args.quant, read_context)
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+    dense_bytes = dense_read_bytes(args, vocab, args.quant, read_context)
     rows: dict[str, dict] = {}
-    program = run_pipeline(captured, build_pipeline(quant=args.quant))
-    moe_bytes = decode_read_bytes(program, read_context)
-    dense_bytes = dense_read_bytes(args, loaded.spec.vocab_size, args.quant, read_context)
-    for backend in args.backends.split(","):
+    for backend, directory in directories.items():
         name = f"llmlower {backend} {args.quant}"
-        directory = ensure_artifact(
-            str(checkpoint), backend, {"quant": args.quant}, workdir / f"{backend}-{args.quant}"
-        )
         engine = Engine.load(directory, max_num_seqs=1, max_context=context, threads=args.threads)
         print(f"[moe] {name}: batch 1", file=sys.stderr)
         row = measure(*llmlower_executor(engine.executor), prompts, args.new_tokens, args.repeats)
