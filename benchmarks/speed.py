@@ -146,7 +146,8 @@ def peer(
         done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{name}.py failed ({done.returncode}):\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    rows = [line for line in done.stdout.splitlines() if line.startswith("{")]  # a peer may log to stdout too
+    return json.loads(rows[-1])
 
 
 def decode_context(new_tokens: int) -> int:
