@@ -305,7 +305,8 @@ def run_artifact_study(
     check_measurable(options, ceilings)
     passes = artifact_passes(manifest)
     loaded = load(resolve_model(checkpoint), dtype=manifest["dtype"])
-    if loaded.spec != ModelSpec.from_dict(manifest["spec"]):
+    compiled = ModelSpec.from_dict(manifest["spec"])
+    if loaded.spec != replace(compiled, kv_widths=None):  # the widths are the passes' cache layout
         raise LlmlowerError(f"--checkpoint {checkpoint}: its spec differs from the one in {artifact}/manifest.json")
     check_options(options, loaded.spec)
     program = run_pipeline(capture(loaded), passes)
