@@ -34,6 +34,16 @@ def absorbed_query(q: torch.Tensor, kv_weight: torch.Tensor, rope_dim: int) -> t
     return torch.cat((q_latent, q[..., nope:]), dim=-1), weight[:, nope:].transpose(1, 2)
 
 
+def _through_latent(attend, q, latent, k_pe, kv_weight, c_store, pe_store, *rest) -> tuple[torch.Tensor, ...]:
+    """`attend` (attention or paged_attention, `rest` its arguments after the caches) with one kv head, keys
+    [c, k_pe] and values c, between the absorbed query and W_uv; the stores (caches or pools) split back."""
+    rank = latent.shape[-1]
+    query, value_weight = absorbed_query(q, kv_weight, k_pe.shape[-1])
+    keys, store = torch.cat((latent, k_pe), dim=-1), torch.cat((c_store, pe_store), dim=-1)
+    out, store, _ = attend(query, keys, latent, store, c_store, *rest)
+    return torch.matmul(out, value_weight), store[..., :rank].clone(), store[..., rank:].clone()
+
+
 def latent_attention_reference(
     q: torch.Tensor,
     latent: torch.Tensor,
@@ -46,13 +56,9 @@ def latent_attention_reference(
     scale: float,
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rank = latent.shape[-1]
-    query, value_weight = absorbed_query(q, kv_weight, k_pe.shape[-1])
-    keys, cache = torch.cat((latent, k_pe), dim=-1), torch.cat((c_cache, pe_cache), dim=-1)
-    out, cache, _ = attention_reference(
-        query, keys, latent, cache, c_cache, past_lens, input_lens, scale, window
-    )  # one kv head: keys [c, k_pe], values c
-    return torch.matmul(out, value_weight), cache[..., :rank].clone(), cache[..., rank:].clone()
+    return _through_latent(
+        attention_reference, q, latent, k_pe, kv_weight, c_cache, pe_cache, past_lens, input_lens, scale, window
+    )
 
 
 latent_attention = torch.library.custom_op(
@@ -80,13 +86,9 @@ def paged_latent_attention(
     scale: float,
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rank = latent.shape[-1]
-    query, value_weight = absorbed_query(q, kv_weight, k_pe.shape[-1])
-    keys, pool = torch.cat((latent, k_pe), dim=-1), torch.cat((c_pool, pe_pool), dim=-1)
-    out, pool, _ = paged_attention(
-        query, keys, latent, pool, c_pool, block_tables, past_lens, input_lens, scale, window
+    return _through_latent(
+        paged_attention, q, latent, k_pe, kv_weight, c_pool, pe_pool, block_tables, past_lens, input_lens, scale, window
     )
-    return torch.matmul(out, value_weight), pool[..., :rank].clone(), pool[..., rank:].clone()
 
 
 @paged_latent_attention.register_fake
