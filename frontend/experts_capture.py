@@ -39,9 +39,7 @@ def gate_parameters(module: torch.nn.Module) -> tuple[float, float, float]:
     probe = torch.randn(4, 2 * intermediate, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 12
     with torch.no_grad():
         expected = module._apply_gate(probe.to(_dtype(module))).double()
-    interleaved = probe
-    if module.is_concatenated:  # the op's gate reads [gate 0, up 0, gate 1, up 1, ...]
-        interleaved = probe.reshape(4, 2, intermediate).transpose(1, 2).reshape(probe.shape)
+    interleaved = _interleaved(probe.T[None], module.is_concatenated)[0].T  # rows as the op's weights hold them
     alpha = float(getattr(module, "alpha", 1.0))
     limit = float(getattr(module, "limit", None) or 0.0)
     for candidate in ((1.0, 0.0, 0.0), (alpha, 1.0, limit), (alpha, 0.0, limit)):
