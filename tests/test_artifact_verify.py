@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import onnx
 import pytest
 from onnxscript import opset18 as op
 from tvm import relax
@@ -45,6 +46,15 @@ def test_a_verified_artifact_is_written(backend, tiny_llama, tmp_path, capsys):
     shown = capsys.readouterr().err
     assert f"verify the {backend} artifact against the torch reference" in shown
     assert "greedy tokens agree at 5 of 5 steps" in shown
+
+
+def test_the_default_recipe_of_a_moe_model_runs_quantized_experts(tiny_checkpoints, tmp_path, capsys):
+    """q4mix's experts (int4 gate/up, int8 down) run in QMoE at 8 bits on ONNX Runtime's CPU, within tolerance."""
+    out = tmp_path / "qwen3_moe"
+    assert _compile(tiny_checkpoints["qwen3_moe"], out, "onnx", "--quant", "q4mix") == 0
+    assert "greedy tokens agree" in capsys.readouterr().err
+    kernels = [node.op_type for node in onnx.load(out / "model.onnx").graph.node]
+    assert kernels.count("QMoE") == 2 and "MoE" not in kernels
 
 
 def _break_onnx(monkeypatch: pytest.MonkeyPatch) -> None:

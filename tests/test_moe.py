@@ -172,7 +172,8 @@ QUANTIZED = {
     "q4g16-zp4": (QuantScheme(4, 16, symmetric=False, packed_zeros=True),) * 2 + (True,),
     "q8": (QuantScheme(8, 32), QuantScheme(8, 32), True),
     "q4g32 float zeros": (QuantScheme(4, 32, symmetric=False), QuantScheme(4, 32, symmetric=False), False),
-    "q4g32-zp4 gate/up, q8 down": (Q4_ZP4, QuantScheme(8, 32), False),
+    "q4g32-zp4 gate/up, q8 down": (Q4_ZP4, QuantScheme(8, 32), True),  # q4mix's: run as 8 bits
+    "q4g32-sym gate/up, q8 down": (QuantScheme(4, 32), QuantScheme(8, 32), True),
     "q4g64-zp4 (64 > intermediate)": (QuantScheme(4, 64, symmetric=False, packed_zeros=True),) * 2 + (False,),
 }
 
@@ -217,12 +218,13 @@ def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_onnx_runtime_qmoe_or_its_fallback_matches_the_reference(name, accuracy_level):
     """QMoE where its CPU kernel computes the variant: exact with 4 bits at accuracy_level 0, int8 activations
-    (~1-2% error) at level 4 and with 8 bits at any level, so 8 bits at level 0 falls back to stay exact; float zero
-    points, mixed bits and a block size that does not divide the sizes fall back to the float MoE (exact)."""
+    (~1-2% error) at level 4 and with 8 bits at any level (mixed bits run as 8), so 8 bits at level 0 falls back to
+    stay exact; float zero points and a block size that does not divide the sizes fall back to the float MoE
+    (exact)."""
     up, down, native = QUANTIZED[name]
     case, bits = _quantized_case(up, down, biases=False)
     model = _onnx_model(_qmoe(bits), case, (1.0, 0.0, 0.0), accuracy_level)
-    kernel = "QMoE" if native and not (bits[0] == 8 and accuracy_level == 0) else "MoE"
+    kernel = "QMoE" if native and not (8 in bits and accuracy_level == 0) else "MoE"
     assert _experts_kernels(model) == [kernel]
     error = _relative_error(_run_onnx(model, case), _qmoe_reference(case, bits, (1.0, 0.0, 0.0)))
     exact = kernel == "MoE" or accuracy_level == 0

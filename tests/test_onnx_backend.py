@@ -65,9 +65,9 @@ def test_quantized_lowering_is_exact_in_float32(quant, tiny_checkpoints):
 @pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4mix"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_quantized_experts_are_exact_in_float32(arch, quant, tiny_checkpoints):
-    """Quantized experts at accuracy_level 0: QMoE computes 4-bit packed zero points in float32; q8 (QMoE has
-    only int8 activations at 8 bits), float zero points (q4g32) and mixed bits (q4mix) run the float MoE over
-    the dequantized experts. Either way the reference's logits."""
+    """Quantized experts at accuracy_level 0: QMoE computes 4-bit packed zero points in float32; q8 and q4mix
+    (QMoE has only int8 activations at 8 bits, and runs mixed bits as 8) and float zero points (q4g32) run the
+    float MoE over the dequantized experts. Either way the reference's logits."""
     program = run_pipeline(capture(load(tiny_checkpoints[arch])), build_pipeline(quant=quant))
     assert program.history[-1].stats["experts_quantized"] == 2
     kernels = [n.op_type for n in to_onnx(program, accuracy_level=0).graph.node if n.op_type in ("MoE", "QMoE")]

@@ -10,9 +10,11 @@ low nibble), block-wise scales [E, N, K / block], packed uint8 zero points, inte
 limit, biases. 4 bits at accuracy_level 0 computes in float32 (exact), at 4 with int8 activations; 8 bits always
 quantizes activations to int8 (~1% error). It refuses float zero points, gate/up and down of different bits
 ("Mixed-width QMoE execution is not yet implemented on CPU"), one block size for both and sizes not divisible by it.
-Those variants (and 8 bits at accuracy_level 0, to stay exact) fall back to the float MoE over weights dequantized
-by graph ops, which ONNX Runtime folds into float initializers when the session loads: exact, but the experts then
-take float32's memory and bandwidth.
+Mixed widths (q4mix: int4 gate/up, int8 down) therefore run as 8 bits, the int4 side widened to the same values
+(q - zero + 128, folded into an initializer when the session loads). The other variants (and 8 bits at
+accuracy_level 0, to stay exact) fall back to the float MoE over weights dequantized by graph ops, which ONNX
+Runtime folds into float initializers when the session loads: exact, but the experts then take float32's memory
+and bandwidth.
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ def _nibbles(packed):
     return op.Reshape(op.Concat(low, high, axis=-1), op.Constant(value_ints=[*packed.shape[:-1], -1]))
 
 
+def _zero_points(packed, blocks: int):
+    """Packed 4-bit zero points [E, N, ceil(blocks / 2)] -> uint8 [E, N, blocks]."""
+    return op.Slice(_nibbles(packed), [0], [blocks], [2])
+
+
 def _dequantized(qweight, scales, zeros, bits: int, in_features: int):
     """The float [E, N, K] of an expert stack in ir/quant.py's format (the MoE fallback), built from constants."""
     experts, rows, blocks = qweight.shape[0], qweight.shape[1], qweight.shape[2]
@@ -90,7 +97,7 @@ def _dequantized(qweight, scales, zeros, bits: int, in_features: int):
     if zeros is None:
         zero = op.CastLike(op.Constant(value_float=float(2 ** (bits - 1))), scales)
     elif zeros.dtype == onnxscript.ir.DataType.UINT8:
-        zero = op.CastLike(op.Slice(_nibbles(zeros), [0], [blocks], [2]), scales)
+        zero = op.CastLike(_zero_points(zeros, blocks), scales)
     else:
         zero = zeros
     last = op.Constant(value_ints=[-1])
@@ -104,11 +111,21 @@ def _qmoe_runs(up: tuple, down: tuple, hidden: int, intermediate: int, accuracy_
     (up_qweight, up_zeros, up_bits), (down_qweight, down_zeros, down_bits) = up, down
     group = up_qweight.shape[3] * 8 // up_bits
     float_zeros = any(z is not None and z.dtype != onnxscript.ir.DataType.UINT8 for z in (up_zeros, down_zeros))
-    if up_bits != down_bits or down_qweight.shape[3] * 8 // down_bits != group or float_zeros:
+    bits = max(up_bits, down_bits)  # mixed widths run as 8 bits
+    if down_qweight.shape[3] * 8 // down_bits != group or float_zeros:
         return None
-    if hidden % group or intermediate % group or (up_bits == 8 and accuracy_level == 0):
+    if hidden % group or intermediate % group or (bits == 8 and accuracy_level == 0):
         return None
-    return up_bits, group
+    return bits, group
+
+
+def _at_width(qweight, zeros, bits: int, width: int) -> tuple:
+    """(qweight, zeros) of an expert stack at `width` bits: as they are, or int4 widened to symmetric int8 of the
+    same values (q - zero + 128, no zero points) for a QMoE whose other weights are int8."""
+    if bits == width:
+        return qweight, zeros
+    zero = _byte(8) if zeros is None else op.Unsqueeze(_zero_points(zeros, qweight.shape[2]), [-1])
+    return op.Sub(op.Add(_nibbles(qweight), _byte(128)), zero), None
 
 
 def qmoe_lowering(accuracy_level: int):
@@ -141,7 +158,11 @@ def qmoe_lowering(accuracy_level: int):
             gate = (alpha, beta, limit)
             return _float_moe(x, expert_ids, expert_weights, (w_up, b_up, w_down, b_down), experts, gate)
         bits, group = runs
-        flat = [op.Reshape(q, op.Constant(value_ints=[experts, q.shape[1], -1])) for q in (up_qweight, down_qweight)]
+        (up_q, up_z), (down_q, down_z) = (_at_width(*side, bits) for side in (up, down))
+        flat = [
+            op.Reshape(q, op.Constant(value_ints=[experts, rows, -1]))
+            for q, rows in ((up_q, 2 * intermediate), (down_q, hidden))
+        ]
         logits, weights = _routing(x, expert_ids, expert_weights, experts)
         out = MSFT.QMoE(
             x,
@@ -155,8 +176,8 @@ def qmoe_lowering(accuracy_level: int):
             None,
             None,
             None,
-            up_zeros,
-            down_zeros,
+            up_z,
+            down_z,
             expert_weight_bits=bits,
             block_size=group,
             accuracy_level=accuracy_level,
