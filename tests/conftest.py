@@ -101,6 +101,12 @@ TINY_CONFIGS = {
 }
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test taking `tiny_arch` runs for every family in TINY_CONFIGS, so a family added there is tested there."""
+    if "tiny_arch" in metafunc.fixturenames:
+        metafunc.parametrize("tiny_arch", list(TINY_CONFIGS))
+
+
 def transformers_greedy(checkpoint: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """transformers' own model, greedy, with no cache and no stop token: the argmax of each step's last logits."""
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
@@ -182,8 +188,17 @@ def serving():
 
 @pytest.fixture(scope="session")
 def greedy_reference():
-    """transformers_greedy, for tests that compare generated tokens with transformers' own."""
-    return transformers_greedy
+    """transformers_greedy, for tests that compare generated tokens with transformers' own; each (checkpoint,
+    prompt, length) is run once a session, whichever backends are compared with it."""
+    answers: dict[tuple, list[int]] = {}
+
+    def reference(checkpoint: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
+        key = (Path(checkpoint), tuple(prompt_ids), new_tokens)
+        if key not in answers:
+            answers[key] = transformers_greedy(checkpoint, prompt_ids, new_tokens)
+        return list(answers[key])
+
+    return reference
 
 
 def attention_step_inputs(

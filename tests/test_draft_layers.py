@@ -23,20 +23,6 @@ from llmlower.runtime.artifact import MANIFEST, ArtifactError, draft_artifact, r
 from llmlower.step_io import cache_names
 
 LAYERS = 3
-ARCHITECTURES = (  # conftest's TINY_CONFIGS
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma",
-    "gemma2",
-    "mixtral",
-    "qwen3_moe",
-    "gpt_oss",
-    "deepseek_v3",
-    "bloom",
-    "gpt2",
-)
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +39,6 @@ def three_layer(tmp_path_factory, tiny_checkpoint_writer):
     return get
 
 
-def test_every_tiny_architecture_is_covered(tiny_checkpoints):
-    assert set(ARCHITECTURES) == set(tiny_checkpoints)
-
-
 def _transformers_logits(loaded, layers: int, ids: torch.Tensor) -> torch.Tensor:
     """Logits of transformers' own model from the same checkpoint, built with `layers` decoder layers."""
     types = loaded.spec.layer_types
@@ -70,9 +52,8 @@ def _transformers_logits(loaded, layers: int, ids: torch.Tensor) -> torch.Tensor
 PROMPTS = torch.randint(5, 320, (2, 9), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_draft_equals_transformers_with_k_layers(three_layer, arch):
-    loaded = three_layer(arch)
+def test_draft_equals_transformers_with_k_layers(three_layer, tiny_arch):
+    loaded = three_layer(tiny_arch)
     program = run_pipeline(capture(loaded), draft_pipeline(["canonicalize", "eager_attention"], 1))
     positions = torch.arange(PROMPTS.shape[1]).expand_as(PROMPTS)
     logits = program(input_ids=PROMPTS, position_ids=positions)["logits"]  # every position
