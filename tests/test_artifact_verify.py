@@ -26,6 +26,7 @@ from llmlower.verify_artifact import verify_artifact
 
 WRONG_SCALE = 1.01
 BACKENDS = ["onnx", "tvm", "mlir"]
+LATENT_PASSES = "canonicalize,fuse_norms,fuse_rope,fuse_projections,kv_cache,latent_cache,last_token_logits"
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +46,15 @@ def test_a_verified_artifact_is_written(backend, tiny_llama, tmp_path, capsys):
     shown = capsys.readouterr().err
     assert f"verify the {backend} artifact against the torch reference" in shown
     assert "greedy tokens agree at 5 of 5 steps" in shown
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_latent_cache_artifact_is_verified(backend, tiny_checkpoints, tmp_path, capsys):
+    """DeepSeek's MLA caching its latent and rotary key (latent_cache, pools of their own widths) verifies on each
+    backend."""
+    out = tmp_path / backend
+    assert _compile(tiny_checkpoints["deepseek_v3"], out, backend, "--passes", LATENT_PASSES) == 0
+    assert "greedy tokens agree at 5 of 5 steps" in capsys.readouterr().err
 
 
 def _break_onnx(monkeypatch: pytest.MonkeyPatch) -> None:
