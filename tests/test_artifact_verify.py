@@ -27,6 +27,7 @@ from llmlower.verify_artifact import verify_artifact
 
 WRONG_SCALE = 1.01
 BACKENDS = ["onnx", "tvm", "mlir"]
+LATENT_PASSES = "canonicalize,fuse_norms,fuse_rope,fuse_projections,kv_cache,latent_cache,last_token_logits"
 
 
 @pytest.fixture(autouse=True)
@@ -55,6 +56,15 @@ def test_the_default_recipe_of_a_moe_model_runs_quantized_experts(tiny_checkpoin
     assert "greedy tokens agree" in capsys.readouterr().err
     kernels = [node.op_type for node in onnx.load(out / "model.onnx").graph.node]
     assert kernels.count("QMoE") == 2 and "MoE" not in kernels
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_latent_cache_artifact_is_verified(backend, tiny_checkpoints, tmp_path, capsys):
+    """DeepSeek's MLA caching its latent and rotary key (latent_cache, pools of their own widths) verifies on each
+    backend."""
+    out = tmp_path / backend
+    assert _compile(tiny_checkpoints["deepseek_v3"], out, backend, "--passes", LATENT_PASSES) == 0
+    assert "greedy tokens agree at 5 of 5 steps" in capsys.readouterr().err
 
 
 def _break_onnx(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,7 @@
 """The latent_cache pass and the latent_attention ops: DeepSeek's multi-head latent attention cached as DeepSeek
 caches it (per token the latent and the shared rotary key) computes what attention over the expanded keys and
 values computes, the pass finds every MLA layer of the captured graph (and nothing in other models), and the
-ONNX and MLIR artifacts generate transformers' own greedy tokens from the smaller cache."""
+ONNX, TVM and MLIR artifacts generate transformers' own greedy tokens from the smaller cache."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_models_without_latent_attention_are_left_alone(captures):
     assert all(t.shape[1] == 2 for t in program.inputs if t.name.startswith(("k_cache", "v_cache")))
 
 
-@pytest.mark.parametrize("backend", ["onnx", "mlir"])
+@pytest.mark.parametrize("backend", ["onnx", "tvm", "mlir"])
 def test_latent_artifacts_generate_transformers_tokens(backend, tiny_checkpoints, greedy_reference, tmp_path):
     checkpoint = tiny_checkpoints["deepseek_v3"]
     artifact = compile_artifact(checkpoint, tmp_path / "artifact", [*PIPELINE, "last_token_logits"], backend=backend)

@@ -17,6 +17,7 @@ from llmlower.backends.torch import TorchExecutor
 from llmlower.backends.tvm import TvmLoweringError, to_relax, tvm_target
 from llmlower.backends.tvm.executor import program_executor
 from llmlower.cli import main
+from llmlower.ir import PAGED_LATENT_ATTENTION
 from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout
 from llmlower.runtime import StepBatch
 from llmlower.runtime.executor import copy_rounds
@@ -28,6 +29,9 @@ FORK_AT = 18  # sequence 3 starts as sequence 1's first 18 tokens: 4 shared bloc
 # sequence 1 to FORK_AT; the fork's prompt chunk with decodes; decodes of all four
 STEPS = [[5, 9, 3, 0], [1, 9, 1, 0], [1, 1, 1, 3], [1, 1, 1, 1], [1, 1, 1, 1]]
 TOLERANCE = 1e-4
+LATENT_PASSES = (
+    "canonicalize,fuse_norms,fuse_rope,fuse_projections,kv_cache,latent_cache,fuse_qkv_attention,last_token_logits"
+)
 
 
 def _paged(captures, arch: str, **options):
@@ -80,6 +84,15 @@ def _max_difference(program) -> float:
 def test_fp32_tvm_matches_the_torch_reference(arch, captures):
     """mistral: sliding window 6, which the kernels apply over the blocks."""
     assert _max_difference(_paged(captures, arch)) <= TOLERANCE
+
+
+def test_the_latent_cache_matches_the_torch_reference(captures):
+    """DeepSeek's MLA caching its latent and rotary key (latent_cache): the latent kernels over pools of their own
+    widths, a forked prefix and block copies included."""
+    program = _paged(captures, "deepseek_v3", passes=LATENT_PASSES)
+    targets = {n.target for n in program.graph_module.graph.nodes}
+    assert PAGED_LATENT_ATTENTION.overload in targets
+    assert _max_difference(program) <= TOLERANCE
 
 
 @pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4g128-sym", "q4mix"])

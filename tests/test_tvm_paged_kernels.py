@@ -1,6 +1,7 @@
 """Paged attention over a caller-owned block pool (backends/tvm/paged_kernels.py), built by the project's Relax
 pipeline and run on the Relax VM (llvm, float32) against numpy: two steps over scattered blocks with a shared
-prefix, appends written in place into the caller's pools, block copies; the cuda build (fp16) compiles."""
+prefix, appends written in place into the caller's pools, block copies; MLA's latent attention over pools of
+latents and rotary keys against its torch reference; the cuda build (fp16) compiles."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ import tvm
 from tvm import relax, tirx
 
 from llmlower.backends.tvm.compile import compile_module, cuda_binary, tvm_target
-from llmlower.backends.tvm.paged_kernels import emit_copy_blocks, emit_paged_attention
+from llmlower.backends.tvm.paged_kernels import emit_copy_blocks, emit_paged_attention, emit_paged_latent_attention
 from llmlower.ir import PAGED_ATTENTION
+from llmlower.ir.latent_attention import paged_latent_attention
 
 HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 16, 4, 24, 5
 # past lengths and new tokens of the 4 sequences in the first step (prefill from nothing, decode, prefill after a
 # shared prefix: sequence 2 forked sequence 1 at 8 tokens and shares its first two blocks, decode), and the new
 # tokens of the second step (sequence 1 has none)
 PAST, NEW, NEXT = [0, 9, 8, 13], [5, 1, 3, 1], [1, 0, 2, 1]
+LATENT_HEADS, NOPE, DV = 4, 12, 10  # MLA's query heads, the query's non-rotary width and the value head size
 
 
 @dataclass
@@ -222,3 +225,71 @@ def test_extras_match_the_paged_attention_reference(
         out = vm["attend"](*(a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(a) for a in args))
         assert np.abs(out.numpy().reshape(expected.shape) - expected).max() <= 1e-5
         assert np.array_equal(pools[0].numpy(), k_pool) and np.array_equal(pools[1].numpy(), v_pool)
+
+
+def _latent_module(target: tvm.target.Target, rank: int, rope: int, window: int) -> tvm.IRModule:
+    """`attend(q, latent, k_pe, kv_weight, c_pool, pe_pool, tables, past, starts)` -> MLA's output [N, heads, dv]
+    over pools of latents [nb, BLOCK_SIZE, 1, rank] and rotary keys [..., rope] (updated in place)."""
+    dtype = "float32" if target.kind.name == "llvm" else "float16"
+    n, s, s1, nb, mb = (tirx.Var(name, "int64") for name in ("n", "s", "s1", "nb", "mb"))
+    shapes = {
+        "q": [n, LATENT_HEADS, NOPE + rope],
+        "latent": [n, 1, rank],
+        "k_pe": [n, 1, rope],
+        "kv_weight": [LATENT_HEADS * (NOPE + DV), rank],
+        "c_pool": [nb, BLOCK_SIZE, 1, rank],
+        "pe_pool": [nb, BLOCK_SIZE, 1, rope],
+    }
+    params = [relax.Var(name, relax.TensorType(shape, dtype)) for name, shape in shapes.items()]
+    params += [
+        relax.Var(name, relax.TensorType(shape, "int32"))
+        for name, shape in (("tables", [s, mb]), ("past", [s]), ("starts", [s1]))
+    ]
+    bb = relax.BlockBuilder()
+    with bb.function("attend", params):
+        with bb.dataflow():
+            out = emit_paged_latent_attention(bb, *params, scale=0.3, window=window, target=target)
+            out = bb.emit_output(out)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize(("rank", "rope", "window"), [(16, 8, 0), (16, 8, 5), (12, 4, 0)])
+def test_latent_attention_matches_the_paged_latent_attention_reference(rank: int, rope: int, window: int) -> None:
+    """The latent kernels (query absorbed through kv_weight, keys [c | k_pe] read from both pools, values c,
+    output through kv_weight's value rows) against the op's torch reference: a mixed prefill/decode step of 4
+    sequences over scattered blocks, then a step reading what it appended; the appends land in the caller's
+    pools."""
+    target = tvm_target("cpu")
+    vm = relax.VirtualMachine(compile_module(_latent_module(target, rank, rope, window), target), tvm.cpu())
+    rng = np.random.default_rng(rank + rope + window)
+    tables = _tables(rng)
+    weight = (rng.standard_normal((LATENT_HEADS * (NOPE + DV), rank)) / 4).astype("float32")
+    c_pool, pe_pool = (rng.standard_normal((NUM_BLOCKS, BLOCK_SIZE, 1, d)).astype("float32") for d in (rank, rope))
+    pools = [tvm.runtime.tensor(pool) for pool in (c_pool, pe_pool)]
+    for past, new in ((PAST, NEW), (list(np.add(PAST, NEW)), NEXT)):
+        n = sum(new)
+        q, latent, k_pe = (
+            rng.standard_normal((n, h, d)).astype("float32")
+            for h, d in ((LATENT_HEADS, NOPE + rope), (1, rank), (1, rope))
+        )
+        packed = [torch.from_numpy(x).transpose(0, 1)[None] for x in (q, latent, k_pe)]  # [1, heads, N, d]
+        expected, c_pool, pe_pool = paged_latent_attention(
+            *packed, torch.from_numpy(weight), torch.from_numpy(c_pool), torch.from_numpy(pe_pool),
+            torch.from_numpy(tables).long(), torch.tensor(past), torch.tensor(new), 0.3, window,
+        )  # fmt: skip
+        expected, c_pool, pe_pool = expected[0].transpose(0, 1).numpy(), c_pool.numpy(), pe_pool.numpy()
+        steps = [np.array(past, "int32"), np.cumsum([0, *new]).astype("int32")]
+        args = [tvm.runtime.tensor(x) for x in (q, latent, k_pe, weight)] + pools
+        args += [tvm.runtime.tensor(x) for x in (tables, *steps)]
+        out = vm["attend"](*args)
+        assert np.abs(out.numpy() - expected).max() <= 1e-5
+        assert np.array_equal(pools[0].numpy(), c_pool) and np.array_equal(pools[1].numpy(), pe_pool)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_latent_cuda_build() -> None:
+    target = tvm_target("cuda", "sm_80")
+    source, fatbin = cuda_binary(compile_module(_latent_module(target, 16, 8, 5), target), target)
+    assert all(f"{name}_kernel" in source for name in ("paged_append", "paged_attention", "latent_absorb"))
+    assert fatbin

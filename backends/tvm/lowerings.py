@@ -19,6 +19,7 @@ from ...ir import (
     ADD_RMS_NORM,
     MOE_EXPERTS,
     PAGED_ATTENTION,
+    PAGED_LATENT_ATTENTION,
     PAGED_QKV_ATTENTION,
     QEMBEDDING,
     QLINEAR,
@@ -27,7 +28,7 @@ from ...ir import (
     ROPE,
     SILU_MUL,
 )
-from .paged_kernels import emit_paged_attention
+from .paged_kernels import emit_paged_attention, emit_paged_latent_attention
 
 if TYPE_CHECKING:
     from .relax_import import StepImporter
@@ -114,24 +115,31 @@ def _kernel_options(
     }
 
 
+def _packed_rows(importer: StepImporter, x: relax.Expr) -> relax.Var:
+    """[1, heads, N, d] (the ops' packed tokens) -> [N, heads, d] (the kernels' rows)."""
+    _, heads, tokens, dim = x.ty.shape
+    return _emit(importer, relax.op.reshape(relax.op.permute_dims(x, [0, 2, 1, 3]), [tokens, heads, dim]))
+
+
+def _packed_heads(importer: StepImporter, rows: relax.Expr) -> relax.Var:
+    """[N, heads, d] (the kernels' rows) -> [1, heads, N, d] (the ops' packed tokens)."""
+    return _emit(importer, relax.op.permute_dims(relax.op.reshape(rows, [1, *rows.ty.shape]), [0, 2, 1, 3]))
+
+
 def paged_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     """q [1, H, N, D] and k, v [1, KV, N, D], already rotated, packed tokens: the paged kernels append k/v into
     the pools (in place) and attend; the op's updated-pool outputs are the pools themselves."""
     args = importer.retrieve_args(node)
     q, k, v, k_pool, v_pool = args[:5]
-    heads, tokens = q.ty.shape[1], q.ty.shape[2]
-    rows = [_emit(importer, relax.op.permute_dims(x, [0, 2, 1, 3])) for x in (q, k, v)]
-    rows = [_emit(importer, relax.op.reshape(x, [tokens, x.ty.shape[2], x.ty.shape[3]])) for x in rows]
     out = emit_paged_attention(
         importer.block_builder,
-        *rows,
+        *(_packed_rows(importer, x) for x in (q, k, v)),
         k_pool,
         v_pool,
         *importer.kernel_inputs(),
-        **_kernel_options(importer, node, args, (k_pool, v_pool), heads, 9),
+        **_kernel_options(importer, node, args, (k_pool, v_pool), q.ty.shape[1], 9),
     )
-    out = _emit(importer, relax.op.reshape(out, [1, *out.ty.shape]))
-    return relax.Tuple([_emit(importer, relax.op.permute_dims(out, [0, 2, 1, 3])), k_pool, v_pool])
+    return relax.Tuple([_packed_heads(importer, out), k_pool, v_pool])
 
 
 def paged_qkv_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
@@ -163,6 +171,26 @@ def paged_qkv_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Ex
     )
     out = _emit(importer, relax.op.reshape(out, [1, tokens, heads * value_head_dim]))
     return relax.Tuple([out, k_pool, v_pool])
+
+
+def paged_latent_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    """q [1, H, N, nope + rope] and the step's latent [1, 1, N, rank] and k_pe [1, 1, N, rope], packed tokens:
+    emit_paged_latent_attention over the latent (k) and rotary-key (v) pools; the op's updated-pool outputs are the
+    pools themselves."""
+    args = importer.retrieve_args(node)
+    q, latent, k_pe, kv_weight, c_pool, pe_pool = args[:6]
+    out = emit_paged_latent_attention(
+        importer.block_builder,
+        *(_packed_rows(importer, x) for x in (q, latent, k_pe)),
+        kv_weight,
+        c_pool,
+        pe_pool,
+        *importer.kernel_inputs(),
+        scale=float(args[9]),
+        window=int(_extras(node, args, 10)["window"]),
+        target=importer.target,
+    )
+    return relax.Tuple([_packed_heads(importer, out), c_pool, pe_pool])
 
 
 def _dequantized(
@@ -378,6 +406,7 @@ CONVERTERS: dict[str, Converter] = {
     ROPE.name: rope,
     PAGED_ATTENTION.name: paged_attention,
     PAGED_QKV_ATTENTION.name: paged_qkv_attention,
+    PAGED_LATENT_ATTENTION.name: paged_latent_attention,
     QLINEAR.name: qlinear,
     QEMBEDDING.name: qembedding,
     MOE_EXPERTS.name: moe_experts,

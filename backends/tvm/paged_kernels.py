@@ -6,7 +6,8 @@ The runtime's block table is the single source of truth (no TVM PagedKVCache obj
 `block_tables [S, max_blocks]` where position p of sequence s lives: block `block_tables[s, p // block_size]`,
 offset `p % block_size`. N, S, max_blocks and num_blocks are symbolic; table entries past a sequence's last
 block are never read. Every loop is bounded by the row's own sequence (causal, optionally a sliding window),
-never by the pool, and softmax is online in float32 whatever the dtype.
+never by the pool, and softmax is online in float32 whatever the dtype. MLA's latent cache (one kv head, the
+latent in k_pool and the rotary key in v_pool) is attended by the same kernel, its keys read from both pools.
 
 In-place pools: the append (and the block copy) are `relax.call_tir_inplace` on the pool parameters of the
 Relax function, so the VM writes into the caller's tensors; TVM 0.27's pipeline (LegalizeOps, FuseOps/FuseTIR,
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from tvm import relax, tirx
+from tvm import relax, te, tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
@@ -48,6 +49,38 @@ def _sequence_of(seq: T.Buffer, query_start: T.Buffer, num_seqs: T.int32, row: T
     for s in T.serial(num_seqs):
         if query_start[s] <= row:
             seq[0] = s
+
+
+@T.macro
+def _dot_lanes(
+    part: T.Buffer,
+    q_s: T.Buffer,
+    start: int,
+    pool: T.Buffer,
+    block: T.int32,
+    t: T.int32,
+    kvh: T.int32,
+    width: int,
+    group: int,
+    lanes: int,
+) -> None:
+    """part[g, lane] += q_s[g, start:start + width] · pool[block, t, kvh, :width] for each query head g of the
+    group, in `lanes` partial sums (the CPU kernel's key)."""
+    for c in T.serial(width // lanes):
+        for g in T.serial(group):
+            for lane in T.vectorized(lanes):
+                part[g, lane] += q_s[g, start + c * lanes + lane] * T.Cast(
+                    "float32", pool[block, t, kvh, c * lanes + lane]
+                )
+
+
+@T.macro
+def _dot(
+    dot: T.Buffer, q_s: T.Buffer, start: int, pool: T.Buffer, block: T.int32, offset: T.int32, kvh: T.int32, width: int
+) -> None:
+    """dot[0] += q_s[start:start + width] · pool[block, offset, kvh, :width] (a CUDA thread's key)."""
+    for d in T.serial(width):
+        dot[0] += q_s[start + d] * T.Cast("float32", pool[block, offset, kvh, d])
 
 
 def append_kernel(
@@ -126,6 +159,7 @@ def attention_kernel(
     sinks: bool = False,
     value_head_dim: int | None = None,
     alibi: bool = False,
+    latent: bool = False,
 ) -> tirx.PrimFunc:
     """out[row, h] = softmax(scale * q·K) · V over the row's own positions lo..pos (lo = pos - window + 1 with a
     sliding window, else 0). CPU: one task per (row, kv head), each pass over a key serving its query heads;
@@ -134,12 +168,15 @@ def attention_kernel(
     (the kernel's sinks argument, [heads] float32, read only then) starts the online softmax as a key with no
     value (running max sinks[h], sum 1), which is the extra softmax column transformers drops; values may have
     a head size of their own (value_head_dim); with `alibi`, head h adds slopes[h] * (j - pos) to the logit of
-    position j (the slopes argument, [heads] float32, read only then), after the softcap."""
+    position j (the slopes argument, [heads] float32, read only then), after the softcap. With `latent` (MLA's
+    latent cache, ir/latent_attention.py) the keys continue into v_pool, [k_pool | v_pool] (the latent, then the
+    rotary key: q is head_dim + value_head_dim wide), and the values are k_pool's (out head_dim wide)."""
     group = heads // kv_heads
     dv = value_head_dim or head_dim
-    lanes = math.gcd(head_dim, LANES)
-    dims_per_thread = -(-head_dim // CUDA_THREADS)
-    value_dims_per_thread = -(-dv // CUDA_THREADS)
+    key_dim, value_dim = (head_dim + dv, head_dim) if latent else (head_dim, dv)
+    lanes = math.gcd(head_dim, key_dim, LANES)
+    dims_per_thread = -(-key_dim // CUDA_THREADS)
+    value_dims_per_thread = -(-value_dim // CUDA_THREADS)
 
     @T.prim_func(s_tir=True, private=True)
     def paged_attention(
@@ -155,7 +192,7 @@ def attention_kernel(
     ):
         T.func_attr(ATTRS)
         n, num_seqs, max_blocks, num_blocks = T.int32(), T.int32(), T.int32(), T.int64()
-        q = T.match_buffer(q_h, (n, heads, head_dim), dtype)
+        q = T.match_buffer(q_h, (n, heads, key_dim), dtype)
         k_pool = T.match_buffer(k_pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
         v_pool = T.match_buffer(v_pool_h, (num_blocks, block_size, kv_heads, dv), dtype)
         block_tables = T.match_buffer(tables_h, (num_seqs, max_blocks), "int32")
@@ -163,14 +200,15 @@ def attention_kernel(
         query_start = T.match_buffer(starts_h, (num_seqs + 1,), "int32")
         sink = T.match_buffer(sinks_h, (heads,), "float32")
         slope = T.match_buffer(slopes_h, (heads,), "float32")
-        out = T.match_buffer(out_h, (n, heads, dv), dtype)
+        out = T.match_buffer(out_h, (n, heads, value_dim), dtype)
+        values = k_pool if latent else v_pool
         if _is_cuda(target_kind):
             for task in T.thread_binding(n * heads, thread="blockIdx.x"):
                 for tx in T.thread_binding(CUDA_THREADS, thread="threadIdx.x"):
                     with T.sblock("attention"):
                         T.reads()
                         T.writes()
-                        q_s = T.sblock_alloc_buffer((head_dim,), "float32", scope="shared")
+                        q_s = T.sblock_alloc_buffer((key_dim,), "float32", scope="shared")
                         score = T.sblock_alloc_buffer((CUDA_THREADS,), "float32", scope="shared")
                         block_of = T.sblock_alloc_buffer((CUDA_THREADS,), "int32", scope="shared")
                         seq = T.sblock_alloc_buffer((1,), "int32", scope="local")
@@ -190,7 +228,7 @@ def attention_kernel(
                         for i in T.serial(value_dims_per_thread):
                             acc[i] = 0.0
                         for i in T.serial(dims_per_thread):
-                            if i * CUDA_THREADS + tx < head_dim:
+                            if i * CUDA_THREADS + tx < key_dim:
                                 q_s[i * CUDA_THREADS + tx] = T.Cast("float32", q[row, h, i * CUDA_THREADS + tx]) * scale
                         T.tvm_storage_sync("shared")
                         for tile in T.serial(T.ceildiv(pos - lo + 1, CUDA_THREADS)):
@@ -199,10 +237,9 @@ def attention_kernel(
                             if j <= pos:
                                 block_of[tx] = block_tables[seq[0], j // block_size]
                                 dot[0] = 0.0
-                                for d in T.serial(head_dim):
-                                    dot[0] += q_s[d] * T.Cast(
-                                        "float32", k_pool[block_of[tx], j % block_size, h // group, d]
-                                    )
+                                _dot(dot, q_s, 0, k_pool, block_of[tx], j % block_size, h // group, head_dim)
+                                if latent:
+                                    _dot(dot, q_s, head_dim, v_pool, block_of[tx], j % block_size, h // group, dv)
                                 if softcap > 0:
                                     dot[0] = T.tanh(dot[0] * T.float32(1.0 / softcap)) * T.float32(softcap)
                                 if alibi:
@@ -223,10 +260,10 @@ def attention_kernel(
                             for t in T.serial(T.min(CUDA_THREADS, pos - lo + 1 - tile * CUDA_THREADS)):
                                 total[0] += score[t]
                                 for i in T.serial(value_dims_per_thread):
-                                    if i * CUDA_THREADS + tx < dv:
+                                    if i * CUDA_THREADS + tx < value_dim:
                                         acc[i] += score[t] * T.Cast(
                                             "float32",
-                                            v_pool[
+                                            values[
                                                 block_of[t],
                                                 (lo + tile * CUDA_THREADS + t) % block_size,
                                                 h // group,
@@ -235,7 +272,7 @@ def attention_kernel(
                                         )
                             T.tvm_storage_sync("shared")
                         for i in T.serial(value_dims_per_thread):
-                            if i * CUDA_THREADS + tx < dv:
+                            if i * CUDA_THREADS + tx < value_dim:
                                 out[row, h, i * CUDA_THREADS + tx] = T.Cast(dtype, acc[i] / total[0])
         else:
             for task in T.parallel(n * kv_heads):
@@ -243,8 +280,8 @@ def attention_kernel(
                     T.reads()
                     T.writes()
                     seq = T.sblock_alloc_buffer((1,), "int32")
-                    q_s = T.sblock_alloc_buffer((group, head_dim), "float32")
-                    acc = T.sblock_alloc_buffer((group, dv), "float32")
+                    q_s = T.sblock_alloc_buffer((group, key_dim), "float32")
+                    acc = T.sblock_alloc_buffer((group, value_dim), "float32")
                     score = T.sblock_alloc_buffer((group, block_size), "float32")
                     m = T.sblock_alloc_buffer((group,), "float32")
                     m_new = T.sblock_alloc_buffer((group,), "float32")
@@ -259,9 +296,9 @@ def attention_kernel(
                     for g in T.serial(group):
                         m[g] = sink[kvh * group + g] if sinks else T.float32(NEG)
                         total[g] = T.float32(1.0) if sinks else T.float32(0.0)
-                        for d in T.vectorized(head_dim):
+                        for d in T.vectorized(key_dim):
                             q_s[g, d] = T.Cast("float32", q[row, kvh * group + g, d]) * scale
-                        for d in T.vectorized(dv):
+                        for d in T.vectorized(value_dim):
                             acc[g, d] = 0.0
                     for b in T.serial(lo // block_size, pos // block_size + 1):
                         block: T.let[T.int32] = block_tables[seq[0], b]
@@ -271,12 +308,9 @@ def attention_kernel(
                             if lo <= b * block_size + t and b * block_size + t <= pos:
                                 for g, lane in T.grid(group, lanes):
                                     part[g, lane] = 0.0
-                                for c in T.serial(head_dim // lanes):
-                                    for g in T.serial(group):
-                                        for lane in T.vectorized(lanes):
-                                            part[g, lane] += q_s[g, c * lanes + lane] * T.Cast(
-                                                "float32", k_pool[block, t, kvh, c * lanes + lane]
-                                            )
+                                _dot_lanes(part, q_s, 0, k_pool, block, t, kvh, head_dim, group, lanes)
+                                if latent:
+                                    _dot_lanes(part, q_s, head_dim, v_pool, block, t, kvh, dv, group, lanes)
                                 for g in T.serial(group):
                                     score[g, t] = 0.0
                                     for lane in T.serial(lanes):
@@ -295,7 +329,7 @@ def attention_kernel(
                                 m_new[g] = T.max(m_new[g], score[g, t])
                             alpha[g] = T.exp(m[g] - m_new[g])
                             total[g] *= alpha[g]
-                            for d in T.vectorized(dv):
+                            for d in T.vectorized(value_dim):
                                 acc[g, d] *= alpha[g]
                             m[g] = m_new[g]
                             for t in T.serial(block_size):
@@ -304,10 +338,10 @@ def attention_kernel(
                         for t in T.serial(block_size):
                             if lo <= b * block_size + t and b * block_size + t <= pos:
                                 for g in T.serial(group):
-                                    for d in T.vectorized(dv):
-                                        acc[g, d] += score[g, t] * T.Cast("float32", v_pool[block, t, kvh, d])
+                                    for d in T.vectorized(value_dim):
+                                        acc[g, d] += score[g, t] * T.Cast("float32", values[block, t, kvh, d])
                     for g in T.serial(group):
-                        for d in T.vectorized(dv):
+                        for d in T.vectorized(value_dim):
                             out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / total[g])
 
     return paged_attention
@@ -365,9 +399,11 @@ def emit_paged_attention(
     sinks: relax.Expr | None = None,
     value_head_dim: int | None = None,
     alibi_slopes: relax.Expr | None = None,
+    latent: bool = False,
 ) -> relax.Var:
-    """Append k/v into the pools in place, then attend over the updated pools: out [N, heads, value_head_dim].
-    The attention reads the append's outputs, which orders the two and keeps the append alive. `sinks` [heads]
+    """Append k/v into the pools in place, then attend over the updated pools: out [N, heads, value_head_dim]
+    ([N, heads, head_dim] with `latent`: keys [k_pool | v_pool], values k_pool, see attention_kernel). The
+    attention reads the append's outputs, which orders the two and keeps the append alive. `sinks` [heads]
     (any float type) are the heads' sink logits and `alibi_slopes` [heads] their ALiBi slopes; the kernel reads
     a float32 [heads] argument for each either way (zeros, unread, when absent)."""
     dtype, kind = q.ty.dtype, target.kind.name
@@ -392,6 +428,7 @@ def emit_paged_attention(
         sinks is not None,
         dv,
         alibi_slopes is not None,
+        latent,
     )
     per_head = [
         relax.const(np.zeros(heads, "float32")) if x is None else bb.emit(relax.op.astype(x, "float32"))
@@ -402,9 +439,91 @@ def emit_paged_attention(
         relax.call_tir(
             bb.add_func(attention, "paged_attention"),
             [q, *updated, block_tables, past_lens, query_start, *per_head],
-            relax.TensorType([q.ty.shape[0], heads, dv], dtype),
+            relax.TensorType([q.ty.shape[0], heads, head_dim if latent else dv], dtype),
         )
     )
+
+
+def _in_dtype(out: te.Tensor, dtype: str) -> te.Tensor:
+    """A float32 accumulation returned in the graph's dtype."""
+    return out if dtype == "float32" else te.compute(out.shape, lambda *i: out[i].astype(dtype), name="cast")
+
+
+def _absorb_te(q_nope: te.Tensor, kv_weight: te.Tensor, width: int) -> te.Tensor:
+    """q_nope [N, heads, nope] into the latent space, [N, heads, rank]: head h through its key rows of kv_weight
+    (rows h * width .. h * width + nope of [heads * width, rank]), read in place."""
+    k = te.reduce_axis((0, q_nope.shape[2]), name="k")
+    absorbed = te.compute(
+        (*q_nope.shape[:2], kv_weight.shape[1]),
+        lambda t, h, r: te.sum(
+            q_nope[t, h, k].astype("float32") * kv_weight[h * width + k, r].astype("float32"), axis=k
+        ),
+        name="absorb",
+    )
+    return _in_dtype(absorbed, q_nope.dtype)
+
+
+def _value_rows_te(latent_out: te.Tensor, kv_weight: te.Tensor, width: int, nope: int) -> te.Tensor:
+    """Each head's attention output in the latent space [N, heads, rank] out of it, [N, heads, width - nope]:
+    head h through its value rows of kv_weight (rows h * width + nope .. (h + 1) * width), read in place."""
+    r = te.reduce_axis((0, kv_weight.shape[1]), name="r")
+    out = te.compute(
+        (*latent_out.shape[:2], width - nope),
+        lambda t, h, v: te.sum(
+            latent_out[t, h, r].astype("float32") * kv_weight[h * width + nope + v, r].astype("float32"), axis=r
+        ),
+        name="value_rows",
+    )
+    return _in_dtype(out, latent_out.dtype)
+
+
+def emit_paged_latent_attention(
+    bb: relax.BlockBuilder,
+    q: relax.Expr,
+    latent: relax.Expr,
+    k_pe: relax.Expr,
+    kv_weight: relax.Expr,
+    c_pool: relax.Expr,
+    pe_pool: relax.Expr,
+    block_tables: relax.Expr,
+    past_lens: relax.Expr,
+    query_start: relax.Expr,
+    *,
+    scale: float,
+    window: int,
+    target: Target,
+) -> relax.Var:
+    """ir/latent_attention.py's weight-absorbed MLA over rows, out [N, heads, dv]: q [N, heads, nope + rope]
+    absorbed into the latent space, the step's latent [N, 1, rank] and k_pe [N, 1, rope] appended in place into
+    c_pool and pe_pool, one kv head attended over keys [c, k_pe] and values c (`latent`: the pools are read where
+    they lie, never concatenated), each head's output taken out of the latent space by its value rows of
+    kv_weight [heads * (nope + dv), rank]."""
+    heads, rope = int(q.ty.shape[1]), int(k_pe.ty.shape[2])
+    nope, width = int(q.ty.shape[2]) - rope, int(kv_weight.ty.shape[0]) // heads
+    parts = bb.emit(relax.op.split(q, [nope], axis=2))
+    q_nope, q_pe = (bb.emit(relax.TupleGetItem(parts, i)) for i in range(2))
+    absorbed = bb.emit_te(_absorb_te, q_nope, kv_weight, width, primfunc_name_hint="latent_absorb")
+    out = emit_paged_attention(
+        bb,
+        bb.emit(relax.op.concat([absorbed, q_pe], axis=2)),
+        latent,
+        k_pe,
+        c_pool,
+        pe_pool,
+        block_tables,
+        past_lens,
+        query_start,
+        heads=heads,
+        kv_heads=1,
+        head_dim=int(c_pool.ty.shape[3]),
+        block_size=int(c_pool.ty.shape[1]),
+        scale=scale,
+        window=window,
+        target=target,
+        value_head_dim=rope,
+        latent=True,
+    )
+    return bb.emit_te(_value_rows_te, out, kv_weight, width, nope, primfunc_name_hint="latent_value_rows")
 
 
 def emit_copy_blocks(
