@@ -204,16 +204,27 @@ def _nibble_order(group: int) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
     return lambda k: k // group * group + k % half * 2 + k % group // half
 
 
+def _reduced_in_nibble_order(bits: int, group: int, in_features: int, cpu: bool) -> bool:
+    """Whether a matmul reduces 4-bit weights in `_nibble_order`: on the CPU (DLight's GPU GEMV rule fails on the
+    reordered x), where the groups divide the features (a padded last group keeps the plain order)."""
+    return cpu and bits == 4 and in_features % group == 0
+
+
+def _in_nibble_order(x: te.Tensor, group: int) -> te.Tensor:
+    """x's features in the order a nibble-major reduction reads the weights, once (the matmul then reads both
+    contiguously)."""
+    feature = _nibble_order(group)
+    return te.compute(x.shape, lambda *i: x[(*i[:-1], feature(i[-1]))], name="nibble_order")
+
+
 def _qlinear_te(x: te.Tensor, qweight, scales, zeros, bias, bits: int, in_features: int, cpu: bool) -> te.Tensor:
-    """x @ dequantize(w).T (+ bias), accumulated in float32 whatever x's dtype. On the CPU, 4-bit weights are
-    reduced in `_nibble_order` (DLight's GPU GEMV rule fails on the reordered x)."""
+    """x @ dequantize(w).T (+ bias), accumulated in float32 whatever x's dtype."""
     group = int(qweight.shape[2]) * 8 // bits
-    nibble_major = cpu and bits == 4 and in_features % group == 0  # (a padded last group keeps the plain order)
+    nibble_major = _reduced_in_nibble_order(bits, group, in_features, cpu)
     weight = _dequantized(qweight, scales, zeros, bits, nibble_major)
     w = te.compute((qweight.shape[0], in_features), weight, name="dequantize")
-    if nibble_major:  # x's features in the weight's order, once (the matmul then reads both contiguously)
-        feature = _nibble_order(group)
-        x = te.compute(x.shape, lambda *i: x[(*i[:-1], feature(i[-1]))], name="nibble_order")
+    if nibble_major:
+        x = _in_nibble_order(x, group)
     k = te.reduce_axis((0, in_features), name="k")
     out = te.compute(
         (*x.shape[:-1], qweight.shape[0]),
