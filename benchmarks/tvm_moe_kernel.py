@@ -1,6 +1,7 @@
 """TVM's mixture-of-experts kernel alone: one layer's `moe_experts` / `qmoe_experts` (made-up weights, the router's
 ids and weights given) through the TVM backend's converters and CPU pipeline, timed per call for each token count;
-for one token, the chosen experts' bytes over the time, against a copy's bandwidth (read + written).
+for one token, the chosen experts' bytes over the time, against a copy's bandwidth (read + written). Each call routes
+to other experts (random ids), so the chosen ones are not already in the cache from the call before.
 
     .venv/bin/python benchmarks/tvm_moe_kernel.py [--hidden 1024] [--experts 32] [--expert-size 1024] [--top-k 4]
         [--quant q4g32-sym,none] [--tokens 1,16,128] [--repeats 20] [--threads 2]
@@ -69,19 +70,19 @@ def compiled(module: torch.nn.Module, example: tuple) -> relax.VirtualMachine:
     return relax.VirtualMachine(compile_module(relax_module, target), tvm.cpu())
 
 
-def router(tokens: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def router(tokens: int, args: argparse.Namespace, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [tokens, hidden], distinct expert ids and weights [tokens, top_k]."""
-    gen = torch.Generator().manual_seed(tokens)
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, args.hidden, generator=gen)
     ids = torch.stack([torch.randperm(args.experts, generator=gen)[: args.top_k] for _ in range(tokens)])
     return x, ids, torch.rand(tokens, args.top_k, generator=gen)
 
 
-def seconds_per_call(vm: relax.VirtualMachine, inputs: list[tvm.runtime.Tensor], repeats: int) -> float:
-    """The median over `repeats` calls, after one warm-up call."""
-    vm["main"](*inputs)
+def seconds_per_call(vm: relax.VirtualMachine, calls: list[list[tvm.runtime.Tensor]]) -> float:
+    """The median over the calls' inputs, after a warm-up call with the first."""
+    vm["main"](*calls[0])
     times = []
-    for _ in range(repeats):
+    for inputs in calls:
         start = time.perf_counter()
         vm["main"](*inputs)
         times.append(time.perf_counter() - start)
@@ -123,8 +124,9 @@ def main() -> None:
         vm = compiled(Experts(bits), (*router(2, args), *experts))
         weights = [tvm.runtime.tensor(t.numpy()) for t in experts]
         for tokens in (int(n) for n in args.tokens.split(",")):
-            inputs = [tvm.runtime.tensor(t.numpy()) for t in router(tokens, args)] + weights
-            seconds = seconds_per_call(vm, inputs, args.repeats)
+            routers = [router(tokens, args, seed) for seed in range(args.repeats)]
+            calls = [[tvm.runtime.tensor(t.numpy()) for t in inputs] + weights for inputs in routers]
+            seconds = seconds_per_call(vm, calls)
             line = f"{quant:>10} tokens {tokens:>4}: {seconds * 1e3:8.3f} ms"
             if tokens == 1:
                 rate = chosen_bytes(experts, args.top_k) / seconds
