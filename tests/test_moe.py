@@ -5,6 +5,8 @@ fallback where not, and the TVM kernel, each against the reference."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 import onnxruntime
@@ -12,10 +14,11 @@ import pytest
 import torch
 import transformers
 import tvm
-from tvm import te
 
 from llmlower.backends.onnx.lowerings import translations
-from llmlower.backends.tvm.lowerings import _dequantized, moe_te
+from llmlower.backends.tvm.compile import compile_module, tvm_target
+from llmlower.backends.tvm.lowerings import convert_map
+from llmlower.backends.tvm.relax_import import StepImporter
 from llmlower.errors import CaptureError
 from llmlower.frontend.experts_capture import gate_parameters, prepare_experts
 from llmlower.ir.moe import MOE_EXPERTS, moe_experts_reference
@@ -27,12 +30,12 @@ EXPERTS, HIDDEN, INTERMEDIATE, TOKENS, TOP_K = 6, 16, 8, 5, 2
 GPT_OSS_GATE = (1.702, 1.0, 7.0)
 
 
-def _case(biases: bool, seed: int = 0) -> tuple:
+def _case(biases: bool, seed: int = 0, tokens: int = TOKENS) -> tuple:
     """Random inputs of moe_experts with values large enough to reach gpt-oss's clamp."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(TOKENS, HIDDEN, generator=gen) * 2
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(TOKENS)])
-    weights = torch.rand(TOKENS, TOP_K, generator=gen) + 0.1
+    x = torch.randn(tokens, HIDDEN, generator=gen) * 2
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=gen) + 0.1
     w_up = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen)
     w_down = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=gen) * 0.3
     b_up = torch.randn(EXPERTS, 2 * INTERMEDIATE, generator=gen) if biases else None
@@ -110,24 +113,58 @@ def test_onnx_runtime_moe_matches_the_reference(gate, biases):
     np.testing.assert_allclose(got, moe_experts_reference(*case, *gate).numpy(), rtol=1e-4, atol=1e-4)
 
 
+TOKEN_COUNTS = (1, 5, 33)  # a decode step, a few tokens, a prompt
+
+
+@tvm.instrument.pass_instrument
+class Scheduled:
+    """The PrimFuncs DLight's rules scheduled."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def run_after_pass(self, module: tvm.IRModule, info: tvm.transform.PassInfo) -> None:
+        if info.name == "ApplyDefaultSchedule":
+            self.names = {
+                gv.name_hint
+                for gv, f in module.functions.items()
+                if isinstance(f, tvm.tirx.PrimFunc) and "tirx.is_scheduled" in f.attrs
+            }
+
+
+def _tvm_kernel(op, case: tuple, constants: tuple) -> Callable[[tuple], np.ndarray]:
+    """op(*case, *constants) for any number of tokens, imported by the TVM backend's converters and compiled by its
+    CPU pipeline, as a function of a case; the experts' matmuls must have taken the CPU schedule."""
+    present = [t is not None for t in case]
+
+    class Layer(torch.nn.Module):
+        def forward(self, *given):
+            tensors = iter(given)
+            return op(*[next(tensors) if p else None for p in present], *constants)
+
+    given = tuple(t for t in case if t is not None)
+    tokens = torch.export.Dim("tokens", min=1, max=1024)
+    shapes = tuple({0: tokens} if i < INPUTS else None for i in range(len(given)))
+    exported = torch.export.export(Layer(), given, dynamic_shapes=(shapes,)).run_decompositions()
+    target = tvm_target("cpu")
+    module = StepImporter(target).from_exported_program(exported, False, True, False, convert_map())
+    scheduled = Scheduled()
+    with tvm.transform.PassContext(instruments=[scheduled]):
+        vm = tvm.relax.VirtualMachine(compile_module(module, target), tvm.cpu())
+    assert {"moe_up", "moe_down"} <= scheduled.names  # kernels of their own (not fused), scheduled
+
+    def run(case: tuple) -> np.ndarray:
+        return vm["main"](*[tvm.runtime.tensor(t.numpy()) for t in case if t is not None]).numpy()
+
+    return run
+
+
 @pytest.mark.parametrize(("gate", "biases"), GATES)
 def test_the_tvm_kernel_matches_the_reference(gate, biases):
-    case = _case(biases)
-    x, ids, weights, w_up, b_up, w_down, b_down = case
-    placeholders = {
-        name: te.placeholder(tuple(t.shape), "int64" if t.dtype == torch.int64 else "float32", name)
-        for name, t in zip(["x", "ids", "weights", "w_up", "b_up", "w_down", "b_down"], case, strict=True)
-        if t is not None
-    }
-    p = placeholders
-    up, down = (lambda e, n, k, w=p[name]: w[e, n, k] for name in ("w_up", "w_down"))
-    out = moe_te(p["x"], p["ids"], p["weights"], up, p.get("b_up"), down, p.get("b_down"), INTERMEDIATE, gate)
-    function = tvm.compile(te.create_prim_func([*p.values(), out]), target="llvm")
-    device = tvm.cpu()
-    arguments = [tvm.runtime.tensor(t.numpy(), device) for t in case if t is not None]
-    result = tvm.runtime.tensor(np.zeros((TOKENS, HIDDEN), np.float32), device)
-    function(*arguments, result)
-    np.testing.assert_allclose(result.numpy(), moe_experts_reference(*case, *gate).numpy(), rtol=1e-4, atol=1e-4)
+    kernel = _tvm_kernel(MOE_EXPERTS.op, _case(biases), gate)
+    for tokens in TOKEN_COUNTS:
+        case = _case(biases, seed=tokens, tokens=tokens)
+        np.testing.assert_allclose(kernel(case), moe_experts_reference(*case, *gate).numpy(), rtol=1e-4, atol=1e-4)
 
 
 def _gpt_oss_experts() -> torch.nn.Module:
@@ -178,12 +215,14 @@ QUANTIZED = {
 }
 
 
-def _quantized_case(up: QuantScheme, down: QuantScheme, biases: bool) -> tuple[tuple, tuple[int, int]]:
+def _quantized_case(
+    up: QuantScheme, down: QuantScheme, biases: bool, tokens: int = TOKENS, seed: int = 3
+) -> tuple[tuple, tuple[int, int]]:
     """qmoe_experts' tensors (x, ids, weights, up q/scales/zeros/bias, down q/scales/zeros/bias) and bits."""
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(TOKENS, Q_HIDDEN, generator=gen)
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(TOKENS)])
-    weights = torch.rand(TOKENS, TOP_K, generator=gen) + 0.1
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, Q_HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=gen) + 0.1
     w_up = quantize(torch.randn(EXPERTS, 2 * Q_INTERMEDIATE, Q_HIDDEN, generator=gen) * 0.3, up)
     w_down = quantize(torch.randn(EXPERTS, Q_HIDDEN, Q_INTERMEDIATE, generator=gen) * 0.3, down)
     b_up = torch.randn(EXPERTS, 2 * Q_INTERMEDIATE, generator=gen) if biases else None
@@ -242,18 +281,10 @@ def test_onnx_runtime_qmoe_takes_the_clamped_swiglu_and_biases():
 def test_the_tvm_kernel_dequantizes_the_chosen_experts_as_the_reference(name):
     up, down, _ = QUANTIZED[name]
     case, bits = _quantized_case(up, down, biases=True)
-    names = ["x", "ids", "weights", "up_q", "up_s", "up_z", "b_up", "down_q", "down_s", "down_z", "b_down"]
-    dtypes = {torch.int64: "int64", torch.uint8: "uint8", torch.float32: "float32"}
-    given = [(n, t) for n, t in zip(names, case, strict=True) if t is not None]
-    p = {n: te.placeholder(tuple(t.shape), dtypes[t.dtype], n) for n, t in given}
-    w_up = _dequantized(p["up_q"], p["up_s"], p.get("up_z"), bits[0])
-    w_down = _dequantized(p["down_q"], p["down_s"], p.get("down_z"), bits[1])
-    out = moe_te(p["x"], p["ids"], p["weights"], w_up, p["b_up"], w_down, p["b_down"], Q_INTERMEDIATE, GPT_OSS_GATE)
-    function = tvm.compile(te.create_prim_func([*p.values(), out]), target="llvm")
-    device = tvm.cpu()
-    result = tvm.runtime.tensor(np.zeros((TOKENS, Q_HIDDEN), np.float32), device)
-    function(*[tvm.runtime.tensor(t.numpy(), device) for t in case if t is not None], result)
-    assert _relative_error(result.numpy(), _qmoe_reference(case, bits, GPT_OSS_GATE)) < 1e-5
+    kernel = _tvm_kernel(_qmoe(bits), case, GPT_OSS_GATE)
+    for tokens in TOKEN_COUNTS:
+        case, _ = _quantized_case(up, down, biases=True, tokens=tokens, seed=tokens)
+        assert _relative_error(kernel(case), _qmoe_reference(case, bits, GPT_OSS_GATE)) < 1e-5
 
 
 def test_a_decode_step_costs_the_chosen_experts_packed_bytes():

@@ -1,12 +1,16 @@
 """A DLight rule for the CPU: matmuls against a weight stored [N, K] (a linear layer's layout, float or
-dequantized inside the kernel), for any number of rows: decode's few and prefill's many.
+dequantized inside the kernel), for any number of rows: decode's few and prefill's many. The MoE experts' matmuls
+take it too: out[t, j, n] = sum_k x[t, (j,) k] * w(ids[t, j], n, k), each row's weight the expert the router
+chose, read (and dequantized) inside the reduction.
 
 Schedule: the output columns (weight rows) are split into chunks of `ROWS_PER_CHUNK` that the threads share
 (`parallel`); a chunk's weights are dequantized once into a small buffer (`compute_at`) and reused by every
 activation row (in the target's widest vectors: 16 float32 lanes with AVX-512, else `LANES`); each dot product
 runs `LANES` partial sums in vector registers (`rfactor` + `vectorize`) and adds them up at the end. Producers
 the matmul reads at the activation's rows only (a reordering of x) stay whole, computed once. Elementwise
-epilogues (bias, cast, residual add) are folded into the write-back.
+epilogues (bias, cast, residual add) are folded into the write-back. The experts' weights have no dequantize
+producer: one computed per chunk would cover every expert (its expert index is data-dependent), so they are
+dequantized where the vectorized partial sums read them, and a step reads the chosen experts' rows only.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ AVX512_LANES = 16  # for the dequantize loops (16-lane dot products measured slo
 
 
 class WeightRowMatmul(CPUScheduleRule):
-    """out[rows..., n] = sum_k x[rows..., k] * w[n, k], with w possibly computed (dequantized) in the function."""
+    """out[rows..., n] = sum_k x[rows..., k] * w[n, k], with w possibly computed (dequantized) in the function or
+    read at an expert chosen per row."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):

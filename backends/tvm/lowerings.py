@@ -3,12 +3,15 @@
 A converter gets the FX node and the importer (a `StepImporter`, which holds the target and the step's
 int32 inputs for the attention kernels) and emits Relax. Paged attention goes to llmlower's TIR kernels over
 the caller's block pools (paged_kernels.py); `qlinear` is one TE function that dequantizes inside the matmul's
-reduction, the form DLight's GEMV/matmul rules schedule.
+reduction, the form DLight's GEMV/matmul rules schedule. The MoE experts are four TE functions (up matmul,
+gated activation, down matmul, weighted sum over the top-k), so that each matmul is a single reduction the
+schedules take.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch.fx
@@ -232,16 +235,27 @@ def _nibble_order(group: int) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
     return lambda k: k // group * group + k % half * 2 + k % group // half
 
 
+def _reduced_in_nibble_order(bits: int, group: int, in_features: int, cpu: bool) -> bool:
+    """Whether a matmul reduces 4-bit weights in `_nibble_order`: on the CPU (DLight's GPU GEMV rule fails on the
+    reordered x), where the groups divide the features (a padded last group keeps the plain order)."""
+    return cpu and bits == 4 and in_features % group == 0
+
+
+def _in_nibble_order(x: te.Tensor, group: int) -> te.Tensor:
+    """x's features in the order a nibble-major reduction reads the weights, once (the matmul then reads both
+    contiguously)."""
+    feature = _nibble_order(group)
+    return te.compute(x.shape, lambda *i: x[(*i[:-1], feature(i[-1]))], name="nibble_order")
+
+
 def _qlinear_te(x: te.Tensor, qweight, scales, zeros, bias, bits: int, in_features: int, cpu: bool) -> te.Tensor:
-    """x @ dequantize(w).T (+ bias), accumulated in float32 whatever x's dtype. On the CPU, 4-bit weights are
-    reduced in `_nibble_order` (DLight's GPU GEMV rule fails on the reordered x)."""
+    """x @ dequantize(w).T (+ bias), accumulated in float32 whatever x's dtype."""
     group = int(qweight.shape[2]) * 8 // bits
-    nibble_major = cpu and bits == 4 and in_features % group == 0  # (a padded last group keeps the plain order)
+    nibble_major = _reduced_in_nibble_order(bits, group, in_features, cpu)
     weight = _dequantized(qweight, scales, zeros, bits, nibble_major)
     w = te.compute((qweight.shape[0], in_features), weight, name="dequantize")
-    if nibble_major:  # x's features in the weight's order, once (the matmul then reads both contiguously)
-        feature = _nibble_order(group)
-        x = te.compute(x.shape, lambda *i: x[(*i[:-1], feature(i[-1]))], name="nibble_order")
+    if nibble_major:
+        x = _in_nibble_order(x, group)
     k = te.reduce_axis((0, in_features), name="k")
     out = te.compute(
         (*x.shape[:-1], qweight.shape[0]),
@@ -283,38 +297,71 @@ SWIGLU_DEFAULTS = (1.0, 0.0, 0.0)  # moe_experts' alpha, beta, limit
 ExpertWeight = Callable[..., "tirx.PrimExpr"]  # (expert, row, column) -> the weight there
 
 
-def _expert_bias(out: te.Tensor, bias: te.Tensor | None, ids: te.Tensor, name: str) -> te.Tensor:
-    """out[t, j, :] + bias[ids[t, j], :], each (token, chosen expert) row its expert's bias."""
+@dataclass(frozen=True)
+class ExpertMatmul:
+    """One of the experts' matmuls: its weight tensors (float [E, N, K], or packed, scales and zero points), how a
+    kernel reads w(expert, n, k) from their TE placeholders, the bias [E, N] if any, and the group whose nibble
+    order the reduction follows (None: the plain order)."""
+
+    tensors: list[relax.Expr]
+    read: Callable[..., ExpertWeight]
+    bias: relax.Expr | None
+    nibble_group: int | None = None
+
+    @property
+    def rows(self) -> int:
+        """N: the output features."""
+        return int(self.tensors[0].ty.shape[1])
+
+
+def _float_experts(weight: relax.Expr, bias: relax.Expr | None) -> ExpertMatmul:
+    """The experts' float weights [E, N, K], read where the matmul multiplies them."""
+
+    def read(w: te.Tensor) -> ExpertWeight:
+        return lambda e, n, k: w[e, n, k]
+
+    return ExpertMatmul([weight], read, bias)
+
+
+def _quantized_experts(qweight, scales, zeros, bias, bits: int, in_features: int, cpu: bool) -> ExpertMatmul:
+    """The experts' packed weights, dequantized where the matmul reads them (as qlinear's, a leading [E])."""
+    group = int(qweight.ty.shape[-1]) * 8 // bits
+    nibble_major = _reduced_in_nibble_order(bits, group, in_features, cpu)
+
+    def read(qweight: te.Tensor, scales: te.Tensor, zeros: te.Tensor | None = None) -> ExpertWeight:
+        return _dequantized(qweight, scales, zeros, bits, nibble_major)
+
+    tensors = [t for t in (qweight, scales, zeros) if t is not None]
+    return ExpertMatmul(tensors, read, bias, group if nibble_major else None)
+
+
+def _expert_matmul_te(
+    x: te.Tensor, ids: te.Tensor, weight: ExpertWeight, rows: int, bias: te.Tensor | None
+) -> te.Tensor:
+    """out[t, j, n] = sum_k x[t, (j,) k] * w(ids[t, j], n, k) (+ bias[ids[t, j], n]) in float32: one reduction that
+    reads each chosen expert's weight rows where it multiplies them (the form WeightRowMatmul schedules). x is
+    [T, K], shared by a token's experts (up), or [T, top_k, K], one row per chosen expert (down)."""
+    tokens, top_k = ids.shape
+    k = te.reduce_axis((0, x.shape[-1]), name="k")
+
+    def x_at(t: tirx.PrimExpr, j: tirx.PrimExpr) -> tirx.PrimExpr:
+        return (x[t, j, k] if len(x.shape) == 3 else x[t, k]).astype("float32")
+
+    out = te.compute(
+        (tokens, top_k, rows),
+        lambda t, j, n: te.sum(x_at(t, j) * weight(ids[t, j], n, k).astype("float32"), axis=k),
+        name="matmul",
+    )
     if bias is None:
         return out
-    return te.compute(out.shape, lambda t, j, n: out[t, j, n] + bias[ids[t, j], n].astype("float32"), name=name)
+    return te.compute(out.shape, lambda t, j, n: out[t, j, n] + bias[ids[t, j], n].astype("float32"), name="bias_add")
 
 
-def moe_te(
-    x: te.Tensor,
-    ids: te.Tensor,
-    weights: te.Tensor,
-    w_up: ExpertWeight,
-    b_up: te.Tensor | None,
-    w_down: ExpertWeight,
-    b_down: te.Tensor | None,
-    intermediate: int,
-    gate: tuple[float, float, float],
-) -> te.Tensor:
-    """The chosen experts of each token: its up and down matmuls read the expert weights (`w_up(e, 2I row, h)`,
-    `w_down(e, h, i)`: a tensor's elements, or quantized ones dequantized there) at the router's ids inside the
-    reduction, so a step reads the chosen experts' rows only (never a gathered or dequantized copy)."""
-    tokens, top_k = ids.shape
-    hidden = x.shape[1]
+def _swiglu_te(gate_up: te.Tensor, gate: tuple[float, float, float]) -> te.Tensor:
+    """gate * sigmoid(alpha * gate) * (up + beta) of interleaved gate/up rows [T, top_k, 2I] -> [T, top_k, I], both
+    clamped to `limit` first where it is > 0 (gpt-oss)."""
+    tokens, top_k, rows = gate_up.shape
     alpha, beta, limit = gate
-    h = te.reduce_axis((0, hidden), name="h")
-
-    gate_up = te.compute(
-        (tokens, top_k, 2 * intermediate),
-        lambda t, j, u: te.sum(x[t, h].astype("float32") * w_up(ids[t, j], u, h).astype("float32"), axis=h),
-        name="moe_up",
-    )
-    gate_up = _expert_bias(gate_up, b_up, ids, "moe_up_bias")
 
     def gated(t, j, i):
         gate, value = gate_up[t, j, 2 * i], gate_up[t, j, 2 * i + 1]
@@ -322,21 +369,52 @@ def moe_te(
             gate, value = tirx.min(gate, limit), tirx.max(tirx.min(value, limit), -limit)
         return gate * tirx.sigmoid(gate * alpha) * (value + beta)
 
-    act = te.compute((tokens, top_k, intermediate), gated, name="moe_swiglu")
-    i = te.reduce_axis((0, intermediate), name="i")
+    return te.compute((tokens, top_k, rows // 2), gated, name="swiglu")
 
-    expert_out = te.compute(
-        (tokens, top_k, hidden),
-        lambda t, j, d: te.sum(act[t, j, i] * w_down(ids[t, j], d, i).astype("float32"), axis=i),
-        name="moe_down",
-    )
-    expert_out = _expert_bias(expert_out, b_down, ids, "moe_down_bias")
+
+def _combine_te(expert_out: te.Tensor, weights: te.Tensor, dtype: str) -> te.Tensor:
+    """sum_j weights[t, j] * expert_out[t, j, :]: each token's chosen experts weighted by the router, in `dtype`."""
+    tokens, top_k, hidden = expert_out.shape
     j = te.reduce_axis((0, top_k), name="j")
     return te.compute(
         (tokens, hidden),
-        lambda t, d: te.sum(expert_out[t, j, d] * weights[t, j].astype("float32"), axis=j).astype(x.dtype),
-        name="moe_combine",
+        lambda t, d: te.sum(expert_out[t, j, d] * weights[t, j].astype("float32"), axis=j).astype(dtype),
+        name="combine",
     )
+
+
+def _emit_expert_matmul(importer: StepImporter, x: relax.Expr, ids: relax.Expr, matmul: ExpertMatmul, name: str):
+    """x times the chosen experts' weights (+ bias), one kernel: _expert_matmul_te, x in the weights' nibble order
+    first where they have one (computed once, outside the reduction)."""
+    bias = [matmul.bias] if matmul.bias is not None else []
+
+    def compute(x: te.Tensor, ids: te.Tensor, *tensors: te.Tensor) -> te.Tensor:
+        weights, bias_tensor = (tensors[:-1], tensors[-1]) if bias else (tensors, None)
+        if matmul.nibble_group is not None:
+            x = _in_nibble_order(x, matmul.nibble_group)
+        return _expert_matmul_te(x, ids, matmul.read(*weights), matmul.rows, bias_tensor)
+
+    return importer.block_builder.emit_te(compute, x, ids, *matmul.tensors, *bias, primfunc_name_hint=name)
+
+
+def _emit_moe(
+    importer: StepImporter,
+    x: relax.Expr,
+    ids: relax.Expr,
+    weights: relax.Expr,
+    up: ExpertMatmul,
+    down: ExpertMatmul,
+    gate: tuple[float, float, float],
+) -> relax.Var:
+    """The chosen experts of each token as four kernels: up matmul, gated activation, down matmul, weighted sum
+    over the top-k. The matmuls read the expert weights at the router's ids inside their reduction, so a step
+    reads the chosen experts' rows only (never a gathered or dequantized copy); each is a single reduction, which
+    the CPU schedule runs parallel and vectorized."""
+    bb = importer.block_builder
+    gate_up = _emit_expert_matmul(importer, x, ids, up, "moe_up")
+    activation = bb.emit_te(_swiglu_te, gate_up, gate, primfunc_name_hint="moe_swiglu")
+    expert_out = _emit_expert_matmul(importer, activation, ids, down, "moe_down")
+    return bb.emit_te(_combine_te, expert_out, weights, x.ty.dtype, primfunc_name_hint="moe_combine")
 
 
 def _gate(args: list) -> tuple[float, float, float]:
@@ -344,39 +422,21 @@ def _gate(args: list) -> tuple[float, float, float]:
     return tuple(float(v) for v in (*args, *SWIGLU_DEFAULTS[len(args) :]))
 
 
-def _optional(tensors: list, present: list[bool]) -> list:
-    """emit_te's tensors back in their argument slots: None where an optional one was absent."""
-    given = iter(tensors)
-    return [next(given) if p else None for p in present]
-
-
 def moe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     x, ids, weights, w_up, b_up, w_down, b_down, *gate = importer.retrieve_args(node)
-    optional = [b_up, b_down]
-    tensors = [x, ids, weights, w_up, w_down] + [t for t in optional if t is not None]
-
-    def compute(x, ids, weights, w_up, w_down, *biases):
-        up_bias, down_bias = _optional(list(biases), [t is not None for t in optional])
-        up, down = (lambda e, n, k, w=w: w[e, n, k] for w in (w_up, w_down))
-        return moe_te(x, ids, weights, up, up_bias, down, down_bias, int(w_down.shape[2]), _gate(gate))
-
-    return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="moe_experts")
+    up, down = _float_experts(w_up, b_up), _float_experts(w_down, b_down)
+    return _emit_moe(importer, x, ids, weights, up, down, _gate(gate))
 
 
 def qmoe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
-    """moe_te over the packed experts, each weight dequantized where the reduction reads it."""
+    """The packed experts, each weight dequantized where its matmul's reduction reads it."""
     args = importer.retrieve_args(node)
     x, ids, weights, up_q, up_s, up_z, b_up, up_bits, down_q, down_s, down_z, b_down, down_bits, *gate = args
-    optional = [up_z, b_up, down_z, b_down]
-    tensors = [x, ids, weights, up_q, up_s, down_q, down_s] + [t for t in optional if t is not None]
-
-    def compute(x, ids, weights, up_q, up_s, down_q, down_s, *rest):
-        up_zeros, up_bias, down_zeros, down_bias = _optional(list(rest), [t is not None for t in optional])
-        up = _dequantized(up_q, up_s, up_zeros, up_bits)
-        down = _dequantized(down_q, down_s, down_zeros, down_bits)
-        return moe_te(x, ids, weights, up, up_bias, down, down_bias, int(up_q.shape[1]) // 2, _gate(gate))
-
-    return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="qmoe_experts")
+    cpu = importer.target.kind.name == "llvm"
+    hidden, intermediate = int(x.ty.shape[-1]), int(up_q.ty.shape[1]) // 2
+    up = _quantized_experts(up_q, up_s, up_z, b_up, up_bits, hidden, cpu)
+    down = _quantized_experts(down_q, down_s, down_z, b_down, down_bits, intermediate, cpu)
+    return _emit_moe(importer, x, ids, weights, up, down, _gate(gate))
 
 
 def _matmul_float32(importer: StepImporter, a: relax.Expr, b: relax.Expr) -> relax.Expr:

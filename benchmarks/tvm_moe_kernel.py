@@ -1,0 +1,138 @@
+"""TVM's mixture-of-experts kernel alone: one layer's `moe_experts` / `qmoe_experts` (made-up weights, the router's
+ids and weights given) through the TVM backend's converters and CPU pipeline, timed per call for each token count;
+for one token, the chosen experts' bytes over the time, against a copy's bandwidth (read + written). Each call routes
+to other experts (random ids), so the chosen ones are not already in the cache from the call before.
+
+    .venv/bin/python benchmarks/tvm_moe_kernel.py [--hidden 1024] [--experts 32] [--expert-size 1024] [--top-k 4]
+        [--quant q4g32-sym,none] [--tokens 1,16,128] [--repeats 20] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import tvm
+from tvm import relax
+
+from llmlower.backends.tvm.compile import compile_module, tvm_target
+from llmlower.backends.tvm.lowerings import convert_map
+from llmlower.backends.tvm.relax_import import StepImporter
+from llmlower.ir.moe import MOE_EXPERTS
+from llmlower.ir.qmoe import QMOE_EXPERTS
+from llmlower.ir.quant import QuantScheme, quantize
+from llmlower.passes.pipelines import parse_quant
+from llmlower.roofline.ceilings import copy_probe
+from llmlower.runtime.executors.tvm import use_threads
+
+
+class Experts(torch.nn.Module):
+    """The op over its inputs (x, ids, weights) and the experts' tensors, all passed in (no parameters)."""
+
+    def __init__(self, bits: int | None) -> None:
+        super().__init__()
+        self.bits = bits
+
+    def forward(self, x, ids, weights, *experts):
+        if self.bits is None:
+            up, down = experts
+            return MOE_EXPERTS.op(x, ids, weights, up, None, down, None)
+        up_q, up_s, down_q, down_s = experts
+        up, down = (up_q, up_s, None, None, self.bits), (down_q, down_s, None, None, self.bits)
+        return QMOE_EXPERTS.op(x, ids, weights, *up, *down)
+
+
+def expert_tensors(args: argparse.Namespace, quant: str) -> tuple[list[torch.Tensor], int | None]:
+    """The experts' up [E, 2I, H] and down [E, H, I] weights, float or packed with scales (no zero points)."""
+    gen = torch.Generator().manual_seed(0)
+    up = torch.randn(args.experts, 2 * args.expert_size, args.hidden, generator=gen) * 0.02
+    down = torch.randn(args.experts, args.hidden, args.expert_size, generator=gen) * 0.02
+    options = parse_quant(quant)
+    if options is None:
+        return [up, down], None
+    scheme = QuantScheme(**options)
+    if not scheme.symmetric:
+        raise SystemExit(f"--quant {quant}: this benchmark takes the symmetric schemes (no zero points)")
+    packed = [quantize(w, scheme) for w in (up, down)]
+    return [t for p in packed for t in (p.qweight, p.scales)], scheme.bits
+
+
+def compiled(module: torch.nn.Module, example: tuple) -> relax.VirtualMachine:
+    """The module exported for any number of tokens, imported by the TVM backend's converters, compiled for this
+    CPU."""
+    tokens = torch.export.Dim("tokens", min=1, max=4096)
+    shapes = ({0: tokens}, {0: tokens}, {0: tokens}, (None,) * (len(example) - 3))  # the last: *experts
+    exported = torch.export.export(module, example, dynamic_shapes=shapes).run_decompositions()
+    target = tvm_target("cpu")
+    relax_module = StepImporter(target).from_exported_program(exported, False, True, False, convert_map())
+    return relax.VirtualMachine(compile_module(relax_module, target), tvm.cpu())
+
+
+def router(tokens: int, args: argparse.Namespace, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [tokens, hidden], distinct expert ids and weights [tokens, top_k]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, args.hidden, generator=gen)
+    ids = torch.stack([torch.randperm(args.experts, generator=gen)[: args.top_k] for _ in range(tokens)])
+    return x, ids, torch.rand(tokens, args.top_k, generator=gen)
+
+
+def seconds_per_call(vm: relax.VirtualMachine, calls: list[list[tvm.runtime.Tensor]]) -> float:
+    """The median over the calls' inputs, after a warm-up call with the first."""
+    vm["main"](*calls[0])
+    times = []
+    for inputs in calls:
+        start = time.perf_counter()
+        vm["main"](*inputs)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def chosen_bytes(experts: list[torch.Tensor], top_k: int) -> int:
+    """The bytes of top_k experts' tensors: what a one-token call must read."""
+    return top_k * sum(t[0].numel() * t[0].element_size() for t in experts)
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Bytes read plus written per second by a 512 MiB copy, the median over `repeats`."""
+    probe = copy_probe(512, "cpu")
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        probe.run()
+        times.append(time.perf_counter() - start)
+    return probe.work / statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--expert-size", type=int, default=1024)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--quant", default="q4g32-sym,none")
+    parser.add_argument("--tokens", default="1,16,128")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    use_threads(args.threads)
+    bandwidth = copy_bandwidth(5)
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} TVM threads, median of {args.repeats}")
+    for quant in args.quant.split(","):
+        experts, bits = expert_tensors(args, quant)
+        vm = compiled(Experts(bits), (*router(2, args), *experts))
+        weights = [tvm.runtime.tensor(t.numpy()) for t in experts]
+        for tokens in (int(n) for n in args.tokens.split(",")):
+            routers = [router(tokens, args, seed) for seed in range(args.repeats)]
+            calls = [[tvm.runtime.tensor(t.numpy()) for t in inputs] + weights for inputs in routers]
+            seconds = seconds_per_call(vm, calls)
+            line = f"{quant:>10} tokens {tokens:>4}: {seconds * 1e3:8.3f} ms"
+            if tokens == 1:
+                rate = chosen_bytes(experts, args.top_k) / seconds
+                line += f", {rate / 1e9:.1f} GB/s of chosen experts ({100 * rate / bandwidth:.0f}% of the copy's)"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
