@@ -221,6 +221,16 @@ def test_a_cuda_artifact_carries_gpu_code_for_the_asked_arch(arch, tiny_llama, t
     assert elf_arches((out / device_code["file"]).read_bytes()) == {int(arch[3:])}
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="building for cuda needs nvcc (the CUDA toolkit)")
+def test_experts_and_the_latent_cache_build_for_cuda_in_float16(tiny_checkpoints, tmp_path, elf_arches):
+    """DeepSeek-V3's experts (the four expert kernels) and latent cache (the latent kernels) in float16."""
+    pipeline = LATENT_PASSES.split(",")
+    out = compile_artifact(tiny_checkpoints["deepseek_v3"], tmp_path / "cuda", pipeline, backend="tvm", target="cuda")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dtype"] == "float16"
+    assert elf_arches((out / manifest["tvm"]["device_code"]["file"]).read_bytes())
+
+
 def _host_lacks(features):
     """The LLVM features of `features` this CPU does not have (by /proc/cpuinfo)."""
     from llmlower.runtime.cpu_features import CPU_FLAGS, host_cpu_flags

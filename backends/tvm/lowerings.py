@@ -373,14 +373,18 @@ def _swiglu_te(gate_up: te.Tensor, gate: tuple[float, float, float]) -> te.Tenso
 
 
 def _combine_te(expert_out: te.Tensor, weights: te.Tensor, dtype: str) -> te.Tensor:
-    """sum_j weights[t, j] * expert_out[t, j, :]: each token's chosen experts weighted by the router, in `dtype`."""
+    """sum_j weights[t, j] * expert_out[t, j, :]: each token's chosen experts weighted by the router, in `dtype`
+    (cast after the float32 sum: TE allows a reduction only at the top of a compute)."""
     tokens, top_k, hidden = expert_out.shape
     j = te.reduce_axis((0, top_k), name="j")
-    return te.compute(
+    summed = te.compute(
         (tokens, hidden),
-        lambda t, d: te.sum(expert_out[t, j, d] * weights[t, j].astype("float32"), axis=j).astype(dtype),
+        lambda t, d: te.sum(expert_out[t, j, d] * weights[t, j].astype("float32"), axis=j),
         name="combine",
     )
+    if dtype == "float32":
+        return summed
+    return te.compute(summed.shape, lambda t, d: summed[t, d].astype(dtype), name="combine_cast")
 
 
 def _emit_expert_matmul(importer: StepImporter, x: relax.Expr, ids: relax.Expr, matmul: ExpertMatmul, name: str):
