@@ -8,7 +8,8 @@ reads (llmlower: the roofline cost model, which counts the chosen experts only; 
 by the active share) and the dense model of the same active size for comparison.
 
     .venv/bin/python benchmarks/moe_speed.py [--workdir DIR] [--layers 16] [--hidden 1024] [--experts 32]
-        [--expert-size 1024] [--top-k 4] [--quant q4g32] [--backends onnx,tvm] [--llamacpp] [--json FILE]
+        [--expert-size 1024] [--top-k 4] [--quant q4g32] [--lm-head-bits 4] [--backends onnx,tvm] [--llamacpp]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -117,13 +118,13 @@ def llamacpp_gguf(checkpoint: Path, directory: Path, kind: str) -> Path:
     return target
 
 
-def read_bytes(checkpoint: Path, quant: str, context: int) -> int:
-    """Bytes a decoded token reads at `context` (the roofline cost model on the checkpoint's program after
-    `quant`'s pipeline: the chosen experts only)."""
-    return decode_read_bytes(run_pipeline(capture(load(checkpoint)), build_pipeline(quant=quant)), context)
+def read_bytes(checkpoint: Path, quant: dict, context: int) -> int:
+    """Bytes a decoded token reads at `context` (the roofline cost model on the checkpoint's program after the
+    pipeline of the `quant` options: the chosen experts only)."""
+    return decode_read_bytes(run_pipeline(capture(load(checkpoint)), build_pipeline(**quant)), context)
 
 
-def dense_read_bytes(args: argparse.Namespace, vocab: int, quant: str, context: int) -> int:
+def dense_read_bytes(args: argparse.Namespace, vocab: int, quant: dict, context: int) -> int:
     """read_bytes of the dense model of the same active size: an MLP of top_k x expert_size in place of the
     experts (random weights: only shapes matter)."""
     config = moe_config(args, vocab)
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--expert-size", type=int, default=1024)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--quant", default="q4g32", help="llmlower's quant pipeline (build_pipeline's quant)")
+    parser.add_argument("--lm-head-bits", type=int, choices=[4, 8], help="the LM head's bits under --quant")
     parser.add_argument("--backends", default="onnx,tvm")
     parser.add_argument("--llamacpp", default="Q4_0", help="llama.cpp's quant type (Q4_0, Q4_K_M, ...), or 'none'")
     parser.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build (setup.sh vllm)")
@@ -162,15 +164,17 @@ def main() -> None:
     offline = [[2000 + 37 * i + j for j in range(OFFLINE_PROMPT)] for i in range(OFFLINE_REQUESTS)]
     context = max(PROMPT_TOKENS) + args.new_tokens + 1
     read_context = PROMPT_TOKENS[0] + args.new_tokens // 2
-    directories = {backend: workdir / f"{backend}-{args.quant}" for backend in args.backends.split(",")}
+    quant = {"quant": args.quant, **({"lm_head_bits": args.lm_head_bits} if args.lm_head_bits else {})}
+    label = args.quant + (f" lm-head-{args.lm_head_bits}" if args.lm_head_bits else "")
+    directories = {backend: workdir / f"{backend}-{label.replace(' ', '-')}" for backend in args.backends.split(",")}
     for backend, directory in directories.items():  # first, alone in memory: compiling holds the model in float32
-        ensure_artifact(str(checkpoint), backend, {"quant": args.quant}, directory)  # more than once
-    moe_bytes = read_bytes(checkpoint, args.quant, read_context)
+        ensure_artifact(str(checkpoint), backend, quant, directory)  # more than once
+    moe_bytes = read_bytes(checkpoint, quant, read_context)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    dense_bytes = dense_read_bytes(args, vocab, args.quant, read_context)
+    dense_bytes = dense_read_bytes(args, vocab, quant, read_context)
     rows: dict[str, dict] = {}
     for backend, directory in directories.items():
-        name = f"llmlower {backend} {args.quant}"
+        name = f"llmlower {backend} {label}"
         engine = Engine.load(directory, max_num_seqs=1, max_context=context, threads=args.threads)
         print(f"[moe] {name}: batch 1", file=sys.stderr)
         row = measure(*llmlower_executor(engine.executor), prompts, args.new_tokens, args.repeats)
