@@ -11,9 +11,10 @@ Each row of logits goes through these steps, in exactly this order (a neutral pa
    multiplied by it;
 5. frequency and presence penalties, over output tokens only:
    logit -= frequency_penalty * count + presence_penalty * (count > 0);
-6. temperature: logits are divided by it (temperature 0 is greedy: steps 6 to 9 are skipped and the token is the
-   argmax of the logits after step 5);
-7. top-k: logits below the k-th largest get -inf (ties with the k-th are kept);
+6. temperature: logits are divided by it (temperature 0, or below GREEDY_BELOW, is greedy: steps 6 to 9 are
+   skipped and the token is the argmax of the logits after step 5);
+7. top-k: logits below the k-th largest get -inf (ties with the k-th are kept; k beyond the vocabulary keeps it
+   all);
 8. top-p: only the smallest set of most likely tokens whose probability reaches top_p is kept (the most likely
    token always; ties with the last one kept);
 9. min-p: tokens with probability below min_p times the largest probability are dropped;
@@ -120,11 +121,14 @@ def _check_structured_output(value: object) -> StructuredOutput | None:
     return value
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are chosen and when it stops; defaults as in vLLM, validated on construction."""
 
-    temperature: float = 1.0  # >= 0; 0 is greedy
+    temperature: float = 1.0  # >= 0; 0 (or below GREEDY_BELOW) is greedy
     top_p: float = 1.0  # (0, 1]; 1 is off
     top_k: int = 0  # >= 1 keeps that many tokens; 0 or -1 is off
     min_p: float = 0.0  # [0, 1]; 0 is off
@@ -171,6 +175,8 @@ class SamplingParams:
             raise _fail("min_tokens", self.min_tokens, f"<= max_tokens ({checked['max_tokens']})")
         if checked["top_logprobs"] and not checked["logprobs"]:
             raise _fail("top_logprobs", self.top_logprobs, "0 unless logprobs is True")
+        if checked["temperature"] < GREEDY_BELOW:  # dividing by it would overflow the logits into NaN weights
+            checked["temperature"] = 0.0
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 
@@ -303,11 +309,11 @@ def _apply_min_p(weights: np.ndarray, min_p: np.ndarray) -> np.ndarray:
 def _weights(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
     """Steps 6 to 9 for drawing rows: unnormalised probabilities exp(logit / T - max), 0 outside the kept tokens."""
     vocab = logits.shape[1]
-    top_k = np.array([p.top_k for p in params])
+    top_k = np.array([p.top_k if p.top_k < vocab else 0 for p in params])  # int64 whatever the request's k
     top_p = np.array([p.top_p for p in params])
     min_p = np.array([p.min_p for p in params])
     logits = logits / np.array([p.temperature for p in params])[:, None]
-    rows = np.flatnonzero((top_k > 0) & (top_k < vocab))
+    rows = np.flatnonzero(top_k > 0)
     if rows.size:
         logits[rows] = _apply_top_k(logits[rows], top_k[rows])
     weights = np.exp((logits - logits.max(axis=1, keepdims=True)).astype(np.float32))  # float32 exp: 5x faster

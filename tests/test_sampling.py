@@ -201,6 +201,28 @@ def test_top_k_keeps_the_k_largest_and_top_k_1_is_greedy():
     assert set(draws(logits, SamplingParams(top_k=1, temperature=5.0), 500).tolist()) == {1}
 
 
+def test_a_top_k_beyond_the_vocabulary_keeps_it_all_beside_other_rows():
+    """One hostile row (k = 2**63, or any k past the vocabulary) is the whole vocabulary; its batch still samples."""
+    vocab = 64
+    logits = np.random.default_rng(0).normal(size=(3, vocab)).astype(np.float32)
+    params = [SamplingParams(top_k=2**63, seed=1), SamplingParams(top_k=5, seed=2), SamplingParams(top_k=10**30)]
+    sampler = Sampler([EOS], np.random.default_rng(0))
+    states = [SequenceSampling(p) for p in params]
+    final = sampler.distribution(logits, states, [[]] * 3, [[]] * 3)
+    np.testing.assert_allclose(final[0], log_softmax(logits[0].astype(np.float64)), rtol=1e-5)
+    assert np.isfinite(final[1]).sum() == 5
+    assert len(sampler.sample(logits, states, [[]] * 3, [[]] * 3).token_ids) == 3
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-6])
+def test_temperatures_below_1e_5_are_greedy(temperature):
+    """A subnormal temperature would overflow the logits into NaN weights; it is greedy instead."""
+    params = SamplingParams(temperature=temperature, logprobs=True, top_logprobs=2)
+    assert params.greedy
+    logits = np.array([0.1, 3.0, -1.0, 2.0])
+    np.testing.assert_allclose(final_logprobs(logits, params), log_softmax(logits))
+
+
 def test_min_p_drops_tokens_below_a_fraction_of_the_largest_probability():
     logits = np.log([0.5, 0.3, 0.15, 0.05])
     assert support(logits, SamplingParams(min_p=0.2)) == {0, 1, 2}  # threshold 0.1
