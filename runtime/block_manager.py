@@ -47,6 +47,7 @@ class _Table:
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     slot: int = -1
+    fork_slots: list[int] = field(default_factory=list)  # SLOTS layout: held from admission for its n > 1 forks
 
 
 class BlockManager:
@@ -106,12 +107,17 @@ class BlockManager:
         """Start a sequence: find its cached prefix and make sure its prompt can be placed. Returns how many of
         its tokens are already cached (its KV need not be computed), or None when the pool cannot take it now
         while keeping `reserve` blocks free for the running sequences (nothing is held then). `width`: the
-        sequences it will fork into (an n > 1 request), each needing a slot of its own in the SLOTS layout."""
+        sequences it will fork into (an n > 1 request), each needing a slot of its own in the SLOTS layout: those
+        are taken now, so a fork never finds the slots gone to later requests."""
         if seq_id in self.tables:
             raise GenerationError(f"sequence {seq_id} already holds blocks")
         hits = self._cached_prefix(token_ids)
         if self.blocks_per_slot is not None:
-            return self._admit_to_slot(seq_id, token_ids, hits) if len(self.free_slots) >= width else None
+            if len(self.free_slots) < width:
+                return None
+            cached = self._admit_to_slot(seq_id, token_ids, hits)
+            self.tables[seq_id].fork_slots = [self.free_slots.popitem(last=False)[0] for _ in range(width - 1)]
+            return cached
         new_blocks = self.blocks_needed(len(token_ids)) - len(hits)  # room for the whole prompt
         reusable = sum(1 for block in hits if self.refs[block] == 0)  # cached, unreferenced: counted as free
         if self.num_free_blocks - reusable < new_blocks + reserve:
@@ -232,9 +238,9 @@ class BlockManager:
             raise GenerationError(f"sequence {child} already holds blocks")
         source = self.tables[parent]
         if self.blocks_per_slot is not None:  # a slot is one sequence's: the child gets its own and a copy
-            if not self.free_slots:
-                raise GenerationError("no free KV slot for an n > 1 completion")
-            slot = self.free_slots.popitem(last=False)[0]
+            if not source.fork_slots:
+                raise GenerationError(f"sequence {parent} was admitted without a KV slot for another completion")
+            slot = source.fork_slots.pop()
             table = self.tables[child] = _Table(slot=slot, hashes=list(source.hashes))
             for index, block in enumerate(source.blocks):
                 copy = slot * self.blocks_per_slot + index
@@ -260,7 +266,8 @@ class BlockManager:
                 else:
                     self.unused.append(block)
         if self.blocks_per_slot is not None:
-            self.free_slots[table.slot] = None  # most recently freed last: reused last
+            for slot in (table.slot, *table.fork_slots):
+                self.free_slots[slot] = None  # most recently freed last: reused last
             for block in table.blocks[len(table.hashes) :]:
                 self._forget(block)
 

@@ -84,6 +84,24 @@ def test_slots_keep_a_sequence_contiguous_and_copy_prefixes_from_busy_slots():
     assert manager.admit(3, [5, 6, 7], width=1) == 0
 
 
+def test_an_n_2_request_holds_its_forks_slot_from_admission():
+    """The fork's slot is taken at admission: a request admitted after it cannot take it, and freeing the parent
+    before the fork gives both slots back."""
+    manager = BlockManager(num_blocks=12, block_size=BLOCK, blocks_per_slot=4)  # 3 slots
+    assert manager.admit(0, [5, 6, 7], width=2) == 0 and manager.allocate(0, 3)
+    assert manager.num_free_blocks == 4  # one slot left
+    assert manager.admit(1, [8, 9]) == 0 and manager.allocate(1, 2)
+    assert manager.admit(2, [10]) is None  # the third slot is the fork's
+    manager.fork(0, 3)
+    assert manager.block_table(3)[0] not in (manager.block_table(0)[0], manager.block_table(1)[0])
+    for seq_id in (0, 1, 3):
+        manager.free(seq_id)
+    assert manager.num_free_blocks == 12
+    assert manager.admit(4, [5], width=3) == 0
+    manager.free(4)  # never forked: its forks' slots come back too
+    assert manager.num_free_blocks == 12
+
+
 def test_pool_size_from_memory_and_a_pool_larger_than_the_machine_is_refused():
     assert kv_pool_blocks(1024, 16, max_num_seqs=4, max_context=100) == 4 * 7
     assert kv_pool_blocks(1024, 16, 4, 100, kv_cache_memory=16 * 1024 * 10) == 10

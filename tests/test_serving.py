@@ -143,6 +143,18 @@ def test_n_completions_wait_for_slots_and_a_request_wider_than_the_pool_is_refus
     _assert_all_blocks_free(engine)
 
 
+def test_an_n_2_request_keeps_its_forks_slot_from_requests_admitted_beside_it(artifacts, alone):
+    """ONNX's per-sequence caches, 4 slots: an n = 2 request and three short prompts arrive at once. The request's
+    second slot is held from its admission, so the third short prompt waits instead of taking the slot its fork
+    needs when the prompt is done; every answer is the one it gives alone."""
+    engine = Engine.load(artifacts("onnx"), max_context=CONTEXT, num_blocks=4 * CONTEXT // BLOCK)
+    prompts = _prompts(engine.spec.vocab_size)
+    pair = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
+    results = engine.generate([prompts[1], prompts[0], prompts[2], prompts[4]], [pair, GREEDY, GREEDY, GREEDY])
+    assert [r.token_ids for r in results] == [alone[1], alone[1], alone[0], alone[2], alone[4]]
+    _assert_all_blocks_free(engine)
+
+
 def test_aborted_requests_free_every_block_and_the_next_ones_are_right(tiny_llama, alone):
     engine = load_engine(tiny_llama, max_context=CONTEXT, num_blocks=12, max_num_batched_tokens=16)
     prompts = _prompts(engine.spec.vocab_size, [30] * 20, seed=1)
