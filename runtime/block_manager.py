@@ -330,8 +330,9 @@ def kv_pool_blocks(
     on_host: bool = True,
 ) -> int:
     """The KV pool's size in blocks: `num_blocks`, or as many as `kv_cache_memory` bytes hold, or by default
-    enough for max_num_seqs sequences of max_context tokens. A pool in host memory larger than the memory
-    still available is refused here, with the numbers, rather than killed by the OOM killer later."""
+    enough for max_num_seqs sequences of max_context tokens. A pool that cannot hold one sequence of max_context
+    tokens, or one in host memory larger than the memory still available, is refused here with the numbers
+    (rather than a sequence that never fits, or the OOM killer, later)."""
     if num_blocks is not None and kv_cache_memory is not None:
         raise GenerationError("give --num-blocks or --kv-cache-memory, not both")
     block_bytes = bytes_per_token * block_size
@@ -341,9 +342,13 @@ def kv_pool_blocks(
         blocks = kv_cache_memory // block_bytes
     else:
         blocks = max_num_seqs * -(-max_context // block_size)
-    if blocks < 1:
+    if blocks * block_size < max_context:  # a sequence growing to its context could then never be scheduled
         given = f"--kv-cache-memory {kv_cache_memory}: " if num_blocks is None and kv_cache_memory is not None else ""
-        raise GenerationError(f"{given}the KV pool needs at least one block ({block_bytes:,} bytes), got {blocks}")
+        raise GenerationError(
+            f"{given}a KV pool of {blocks:,} blocks of {block_size} tokens holds {blocks * block_size:,} tokens, "
+            f"less than one sequence's context of {max_context:,}: raise --num-blocks or --kv-cache-memory, or "
+            "lower --max-context"
+        )
     available = available_memory() if on_host else None
     if available is not None and blocks * block_bytes > available:
         raise GenerationError(

@@ -105,6 +105,10 @@ def test_an_n_2_request_holds_its_forks_slot_from_admission():
 def test_pool_size_from_memory_and_a_pool_larger_than_the_machine_is_refused():
     assert kv_pool_blocks(1024, 16, max_num_seqs=4, max_context=100) == 4 * 7
     assert kv_pool_blocks(1024, 16, 4, 100, kv_cache_memory=16 * 1024 * 10) == 10
+    with pytest.raises(GenerationError, match="holds 96 tokens, less than one sequence's context of 300"):
+        kv_pool_blocks(1024, 16, 4, 300, num_blocks=6)
+    with pytest.raises(GenerationError, match="holds 0 tokens, less than one sequence's context of 100"):
+        kv_pool_blocks(2**20, 16, 4, 100, kv_cache_memory=10**6)
     with pytest.raises(GenerationError, match=r"needs .* GiB; this machine has .* available"):
         kv_pool_blocks(2**30, 16, 4, 100, num_blocks=2**20)
     with pytest.raises(GenerationError, match="not both"):

@@ -155,6 +155,13 @@ def test_an_n_2_request_keeps_its_forks_slot_from_requests_admitted_beside_it(ar
     _assert_all_blocks_free(engine)
 
 
+def test_a_paged_pool_smaller_than_one_context_is_refused_at_load(artifacts):
+    """A pool that cannot hold one sequence of max_context tokens would leave it unschedulable (the engine spun on
+    empty steps): it is refused when the engine loads, with the sizes."""
+    with pytest.raises(GenerationError, match="6 blocks of 4 tokens holds 24 tokens, less than .* context of 128"):
+        Engine.load(artifacts("tvm"), max_context=CONTEXT, num_blocks=6)
+
+
 def test_aborted_requests_free_every_block_and_the_next_ones_are_right(tiny_llama, alone):
     engine = load_engine(tiny_llama, max_context=CONTEXT, num_blocks=12, max_num_batched_tokens=16)
     prompts = _prompts(engine.spec.vocab_size, [30] * 20, seed=1)
