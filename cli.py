@@ -16,6 +16,7 @@ from .compile_cache import RECOMMENDED_BACKEND, RECOMMENDED_QUANT, CompileReques
 from .errors import LlmlowerError
 from .runtime import EngineConfig
 from .runtime.backends import BACKENDS
+from .serve.limits import RequestLimits, limit_flags
 
 VERIFY_HELP = (
     "check each pass numerically against the one before, then the built artifact, run by its own runtime, against "
@@ -261,6 +262,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 SERVE_SEQUENCES = 16  # the server's max_num_seqs unless --max-num-seqs
+LIMIT_FLAGS = limit_flags()  # serve's per-request limits: (name, default, help)
 DEFAULT_STEP_TOKENS = EngineConfig.max_num_batched_tokens
 DEFAULT_SPECULATIVE_TOKENS = 4
 
@@ -276,7 +278,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise LlmlowerError(f"serve needs the serve extra (pip install 'llmlower[serve]'): {error}") from None
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
     api_key = args.api_key or os.environ.get("LLMLOWER_API_KEY")
-    config = ServerConfig(name, api_key, args.max_waiting, args.max_body_bytes)
+    limits = RequestLimits(**{flag: getattr(args, flag) for flag, _, _ in LIMIT_FLAGS})
+    config = ServerConfig(name, api_key, args.max_waiting, args.max_body_bytes, limits)
     if args.replicas > 1:
         try:
             from .serve.replicas import run_replicas
@@ -653,6 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting", type=int, default=256, help="sequences waiting before new requests get 429")
     srv.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20, help="larger request bodies get 413")
     srv.add_argument("--drain-timeout", type=int, default=30, help="seconds running requests get after SIGTERM")
+    for flag, default, what in LIMIT_FLAGS:
+        srv.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default, help=f"{what} (default {default})")
     srv.add_argument(
         "--replicas", type=int, default=1, help="N replicas on Ray Serve, each its own engine (artifacts; RAY_ADDRESS)"
     )
@@ -675,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_waiting": 0,
         "max_body_bytes": 1,
         "drain_timeout": 0,
+        **{flag: 1 if flag == "max_n" else 0 for flag, _, _ in LIMIT_FLAGS},
         "max_context": 1,
         "max_num_seqs": 1,
         "max_num_batched_tokens": 1,

@@ -28,6 +28,7 @@ from ..runtime import AsyncEngine, GenerationResult
 from ..runtime.async_engine import RequestStream
 from . import errors
 from .errors import APIError
+from .limits import LimitExceeded, RequestLimits
 from .metrics import Metrics
 from .protocol import (
     COMPLETIONS_MAX_TOKENS,
@@ -35,8 +36,10 @@ from .protocol import (
     CompletionRequest,
     Formatter,
     completion_prompts,
+    grammar_source,
     sampling_params,
     structured_error,
+    top_logprobs,
     usage,
 )
 
@@ -44,12 +47,13 @@ from .protocol import (
 @dataclass(frozen=True)
 class ServerConfig:
     """`max_waiting`: sequences that may wait beyond the engine's max_num_seqs before new requests get 429;
-    `max_body_bytes`: larger request bodies get 413."""
+    `max_body_bytes`: larger request bodies get 413; `limits`: what one request may ask for (400 beyond)."""
 
     model_name: str
     api_key: str | None = None
     max_waiting: int = 256
     max_body_bytes: int = 4 << 20
+    limits: RequestLimits = RequestLimits()
 
 
 class BodyLimit:
@@ -148,20 +152,25 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         card = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "llmlower"}
         return {"object": "list", "data": [{**card, "max_model_len": max_context}]}
 
-    def check_model(name: str) -> None:
-        if name != config.model_name:
-            raise APIError(404, f"the model `{name}` does not exist", "model", "model_not_found")
+    def check(body: CompletionRequest | ChatRequest) -> None:
+        """The model's name and the server's limits, before anything is tokenized."""
+        if body.model != config.model_name:
+            raise APIError(404, f"the model `{body.model}` does not exist", "model", "model_not_found")
+        try:
+            config.limits.check(body, top_logprobs(body), grammar_source(body))
+        except LimitExceeded as error:
+            raise APIError(400, str(error), error.param, "too_large") from None
 
     @app.post("/v1/completions", dependencies=[Depends(admitted)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        check(body)
         prompts = completion_prompts(body)
         ids = [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
         return await respond(body, request, ids, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(admitted)])
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        check_model(body.model)
+        check(body)
         conversation = [m.for_template() for m in body.messages]
         try:
             ids = await asyncio.to_thread(engine.engine.prompt_token_ids, conversation)

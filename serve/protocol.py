@@ -97,7 +97,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -128,7 +128,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = None
 
 
@@ -197,6 +197,20 @@ def _structured(request: SamplingFields) -> tuple[dict[str, Any], str] | None:
         fields = request.structured_outputs.model_dump(by_alias=True, exclude_defaults=True)
         return fields, "structured_outputs" + "".join(f".{name}" for name in fields if len(fields) == 1)
     return None
+
+
+def grammar_source(request: SamplingFields) -> tuple[str, Any] | None:
+    """(the request's field, its schema, regex or grammar) when it asks for structured output with one."""
+    asked = _structured(request)
+    if asked is None or asked[0] == {"json_object": True}:
+        return None
+    given, name = asked
+    return name, next(iter(given.values())) if len(given) == 1 else given
+
+
+def top_logprobs(request: CompletionRequest | ChatRequest) -> int:
+    """Alternatives per token a request asks for: chat's top_logprobs, completions' logprobs."""
+    return (request.top_logprobs if isinstance(request, ChatRequest) else request.logprobs) or 0
 
 
 def structured_output(request: SamplingFields) -> StructuredOutput | None:

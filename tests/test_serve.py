@@ -4,8 +4,10 @@ tiny Llama ONNX artifact served by a subprocess, as a user would start it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
+import math
 import re
 import signal
 import time
@@ -47,6 +49,7 @@ def artifact(long_llama, tmp_path_factory) -> Path:
 def server(artifact, tmp_path_factory, serving) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
     flags = ("--api-key", KEY, "--served-model-name", MODEL, "--max-num-seqs", "16", "--max-body-bytes", "64K")
+    flags += ("--max-n", "20", "--max-grammar-bytes", "4096")
     with serving(artifact, *flags, log=log) as (url, _):
         yield url
 
@@ -209,7 +212,56 @@ BAD_REQUESTS = [  # (what, path, body or raw bytes, headers, status, param, code
     ("top_p 0", "/v1/completions", {"top_p": 0.0}, {}, 400, "top_p", "invalid_value"),
     ("n 0", "/v1/completions", {"n": 0}, {}, 400, "n", "invalid_value"),
     ("n above max_num_seqs", "/v1/completions", {"n": 17}, {}, 400, "n", "invalid_value"),
-    ("logprobs 30", "/v1/completions", {"logprobs": 30}, {}, 400, "logprobs", "invalid_value"),
+    # the server's limits (--max-n 20, --max-grammar-bytes 4096, the other limits at their defaults)
+    ("n above --max-n", "/v1/completions", {"n": 21}, {}, 400, "n", "too_large"),
+    ("logprobs 30", "/v1/completions", {"logprobs": 30}, {}, 400, "logprobs", "too_large"),
+    (
+        "top_logprobs 21",
+        "/v1/chat/completions",
+        {"logprobs": True, "top_logprobs": 21},
+        {},
+        400,
+        "top_logprobs",
+        "too_large",
+    ),
+    ("17 stop strings", "/v1/completions", {"stop": [f"s{i}" for i in range(17)]}, {}, 400, "stop", "too_large"),
+    ("a stop string of 257 characters", "/v1/completions", {"stop": "x" * 257}, {}, 400, "stop", "too_large"),
+    (
+        "257 stop_token_ids",
+        "/v1/completions",
+        {"stop_token_ids": [5] * 257},
+        {},
+        400,
+        "stop_token_ids",
+        "too_large",
+    ),
+    (
+        "301 logit_bias entries",
+        "/v1/completions",
+        {"logit_bias": {str(i): 1.0 for i in range(301)}},
+        {},
+        400,
+        "logit_bias",
+        "too_large",
+    ),
+    (
+        "a regex over --max-grammar-bytes",
+        "/v1/completions",
+        {"structured_outputs": {"regex": "a" * 4097}},
+        {},
+        400,
+        "structured_outputs.regex",
+        "too_large",
+    ),
+    (
+        "a JSON schema over --max-grammar-bytes",
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["y" * 4096]}}}},
+        {},
+        400,
+        "response_format.json_schema.schema",
+        "too_large",
+    ),
     (
         "top_logprobs without logprobs",
         "/v1/chat/completions",
@@ -373,6 +425,25 @@ def test_bad_requests_get_an_openai_error_and_the_server_goes_on(server, case):
     assert httpx.get(f"{server}/health").status_code == 200
     reply = _client(server).completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
     assert reply.choices[0].finish_reason == "length"
+
+
+def test_hostile_sampling_values_are_served_beside_an_innocent_request(server):
+    """top_k = 2**63 (the vocabulary) and a subnormal temperature (greedy) in the same steps as an innocent request:
+    each is answered, and the innocent request gets its answer alone."""
+    client = _client(server)
+    innocent = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+    alone = client.completions.create(**innocent).choices[0].text
+    hostile = [
+        {"prompt": "def add(a, b):", "max_tokens": 8, "extra_body": {"top_k": 2**63}, "seed": 1},
+        {"prompt": "keys and values", "max_tokens": 8, "temperature": 5e-324, "logprobs": 2},
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(hostile) + 1) as pool:
+        replies = [pool.submit(client.completions.create, **{"model": MODEL, **h}) for h in hostile]
+        beside = pool.submit(client.completions.create, **innocent)
+        assert beside.result().choices[0].text == alone
+        answers = [reply.result().choices[0] for reply in replies]
+    assert all(answer.finish_reason == "length" for answer in answers)
+    assert all(math.isfinite(lp) for lp in answers[1].logprobs.token_logprobs)
 
 
 def test_the_openai_client_sees_typed_errors(server):
