@@ -389,7 +389,9 @@ class Engine:
 
     def _checked_prompt(self, prompt: Prompt | list[int], chat: bool, label: str, params: SamplingParams) -> list[int]:
         """The prompt's token ids, refused when the engine could never serve it."""
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+        if isinstance(prompt, list) and not prompt:  # neither token ids nor messages: no empty chat is made of it
+            raise GenerationError(f"{label} is empty")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         else:
             ids = self.prompt_token_ids(prompt, chat)

@@ -14,7 +14,7 @@ import hmac
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,20 +165,48 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check(body)
         prompts = completion_prompts(body)
-        ids = [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
-        return await respond(body, request, ids, chat=False)
+
+        async def tokenized() -> list[list[int]]:
+            return [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
+
+        return await admitted_request(body, request, len(prompts), tokenized, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(admitted)])
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check(body)
         conversation = [m.for_template() for m in body.messages]
-        try:
-            ids = await asyncio.to_thread(engine.engine.prompt_token_ids, conversation)
-        except GenerationError as error:
-            raise APIError(400, str(error), "messages", "invalid_value") from None
-        return await respond(body, request, [ids], chat=True)
 
-    async def respond(body: ChatRequest | CompletionRequest, request: Request, ids: list[list[int]], chat: bool):
+        async def tokenized() -> list[list[int]]:
+            try:
+                return [await asyncio.to_thread(engine.engine.prompt_token_ids, conversation)]
+            except GenerationError as error:
+                raise APIError(400, str(error), "messages", "invalid_value") from None
+
+        return await admitted_request(body, request, 1, tokenized, chat=True)
+
+    async def admitted_request(
+        body: ChatRequest | CompletionRequest,
+        request: Request,
+        prompts: int,
+        tokenized: Callable[[], Awaitable[list[list[int]]]],
+        chat: bool,
+    ) -> Response:
+        """Hold the request's sequences (429 when the queue is full) before its prompts are tokenized; they are let
+        go when it is answered, or at once if anything fails before its answer starts."""
+        release = admission.take(prompts * max(body.n, 1))
+        try:
+            return await respond(body, request, await tokenized(), chat, release)
+        except BaseException:
+            release()
+            raise
+
+    async def respond(
+        body: ChatRequest | CompletionRequest,
+        request: Request,
+        ids: list[list[int]],
+        chat: bool,
+        release: Callable[[], None],
+    ) -> Response:
         """Check the prompts against the context, submit them, and answer whole or as a stream."""
         field = "messages" if chat else "prompt"
         longest = max(len(p) for p in ids)
@@ -188,11 +216,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             what = f"{longest} prompt tokens" + (f" + max_tokens {asked}" if asked else "")
             message = f"{field}: {what} exceed the context of {max_context} tokens"
             raise APIError(400, message, field, "context_length_exceeded")
-        release = admission.take(len(ids) * params.n)
         try:
             stream = await engine.submit(ids, params, chat=False)
         except GenerationError as error:
-            release()
             message = str(error)
             error = structured_error(message, body) or APIError(400, message, _param(message, field), "invalid_value")
             raise error from None

@@ -252,6 +252,9 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
         return [list(prompt)]
     if not prompt:
         raise APIError(400, "prompt is empty", "prompt", "invalid_value")
+    empty = next((i for i, p in enumerate(prompt) if len(p) == 0), None)
+    if empty is not None:  # an empty prompt would be taken for an empty chat
+        raise APIError(400, f"prompt.{empty} is empty", f"prompt.{empty}", "invalid_value")
     return list(prompt)
 
 

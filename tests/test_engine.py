@@ -87,6 +87,8 @@ def test_invalid_params_name_the_field(engine):
         engine.generate(["abc"], SamplingParams(top_p=0))
     with pytest.raises(GenerationError, match="2 SamplingParams for 1 prompts"):
         engine.generate(["abc"], [GREEDY, GREEDY])
+    with pytest.raises(GenerationError, match=r"prompts\[1\] is empty"):  # not taken for a chat of no messages
+        engine.generate([[5, 6], []], GREEDY)
 
 
 def test_async_engine_serves_concurrent_streams_and_abandoned_ones(engine):

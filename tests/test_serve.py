@@ -212,6 +212,8 @@ BAD_REQUESTS = [  # (what, path, body or raw bytes, headers, status, param, code
     ("top_p 0", "/v1/completions", {"top_p": 0.0}, {}, 400, "top_p", "invalid_value"),
     ("n 0", "/v1/completions", {"n": 0}, {}, 400, "n", "invalid_value"),
     ("n above max_num_seqs", "/v1/completions", {"n": 17}, {}, 400, "n", "invalid_value"),
+    ("an empty prompt among prompts", "/v1/completions", {"prompt": ["hi", ""]}, {}, 400, "prompt.1", "invalid_value"),
+    ("an empty list of token ids", "/v1/completions", {"prompt": [[]]}, {}, 400, "prompt.0", "invalid_value"),
     # the server's limits (--max-n 20, --max-grammar-bytes 4096, the other limits at their defaults)
     ("n above --max-n", "/v1/completions", {"n": 21}, {}, 400, "n", "too_large"),
     ("logprobs 30", "/v1/completions", {"logprobs": 30}, {}, 400, "logprobs", "too_large"),
