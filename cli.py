@@ -167,6 +167,13 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * 1024 ** "BKMG".index(unit.upper() or "B"))
 
 
+def parse_port(text: str) -> int:
+    """A TCP port, 1-65535."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, 1-65535, got {text!r}")
+    return int(text)
+
+
 def _sampling_params(args: argparse.Namespace) -> Any:
     """SamplingParams from the flags given (each named after its field); invalid values name the field."""
     from .runtime.sampling import SamplingParams
@@ -187,11 +194,18 @@ def _structured_output(args: argparse.Namespace) -> Any:
     from .runtime.structured import StructuredOutput
 
     flags = {"json": args.json_schema, "regex": args.regex, "grammar": args.grammar}
-    try:
-        given = {k: v.read_text() if isinstance(v, Path) else v for k, v in flags.items() if v is not None}
-    except OSError as error:
-        raise LlmlowerError(f"{error.filename}: cannot be read ({error.strerror})") from None
+    given = {k: _text_of(v) if isinstance(v, Path) else v for k, v in flags.items() if v is not None}
     return StructuredOutput(**given) if given else None
+
+
+def _text_of(path: Path) -> str:
+    """A text file given on the command line, or one line saying why it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise LlmlowerError(f"{path}: cannot be read ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise LlmlowerError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -650,7 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     srv.add_argument("model", help=MODEL_HELP)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=parse_port, default=8000, help="TCP port, 1-65535 (default 8000)")
     srv.add_argument("--api-key", help="clients must send 'Authorization: Bearer KEY' (default: $LLMLOWER_API_KEY)")
     srv.add_argument("--served-model-name", help="the model's name in the API (default: the artifact's directory name)")
     srv.add_argument("--max-waiting", type=int, default=256, help="sequences waiting before new requests get 429")
@@ -675,7 +689,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lowest = {
-        "port": 1,
         "replicas": 1,
         "max_waiting": 0,
         "max_body_bytes": 1,

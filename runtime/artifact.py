@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import LlmlowerError
+from ..spec import ModelSpec
 
 MANIFEST = "manifest.json"
 # 2: KV layouts "slots" and "paged" (continuous batching); 3: the logits_indices step input; 4: weights.tensors
@@ -31,6 +32,8 @@ FORMAT_VERSION = 4
 # tokenizer.json must be hashed; the others, when present, must be hashed too (else the artifact is refused).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 REQUIRED_FILES = ("tokenizer.json",)
+REQUIRED_FIELDS = {"backend": str, "target": str, "dtype": str, "kv_layout": dict, "spec": dict}
+JSON_TYPES = {str: "string", dict: "object"}
 
 
 class ArtifactError(LlmlowerError):
@@ -104,6 +107,7 @@ def write_artifact(
             check_staged(staging)
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(old, ignore_errors=True)  # an interrupted replace's: `directory` is whole, so it is stale
             directory.rename(old)
             try:
                 staging.rename(directory)
@@ -197,6 +201,7 @@ def read_manifest(directory: str | Path, verify: bool = True, weights: bool = Tr
         raise ArtifactError(
             f"{path}: format_version {version!r}; this llmlower reads version {FORMAT_VERSION} (compile it again)"
         )
+    _check_fields(path, manifest)
     files = check_manifest_paths(directory, manifest)
     listed = manifest.get("weights")
     unread = {listed.get("file")} if not weights and isinstance(listed, dict) else set()
@@ -209,6 +214,18 @@ def read_manifest(directory: str | Path, verify: bool = True, weights: bool = Tr
         if verify and sha256(file) != expected:
             raise ArtifactError(f"{file}: sha256 does not match {MANIFEST} (the file is corrupted or was changed)")
     return manifest
+
+
+def _check_fields(path: Path, manifest: dict[str, Any]) -> None:
+    """Every field the runtime reads is there with its type, and the spec makes a ModelSpec: else one line naming
+    the field (a hand-edited or truncated manifest)."""
+    for name, kind in REQUIRED_FIELDS.items():
+        if not isinstance(manifest.get(name), kind):
+            raise ArtifactError(f"{path}: field {name!r} is missing or not a JSON {JSON_TYPES[kind]}")
+    try:
+        ModelSpec.from_dict(manifest["spec"])
+    except (TypeError, ValueError) as error:
+        raise ArtifactError(f"{path}: field 'spec' is not a model spec ({error})") from None
 
 
 def draft_dir_name(layers: int) -> str:

@@ -126,6 +126,19 @@ def test_an_interrupted_write_leaves_the_previous_artifact(artifact, tmp_path):
     Engine.load(previous)  # still whole: every hash checks out
 
 
+def test_a_replace_interrupted_before_is_no_obstacle(artifact, tmp_path):
+    """A `.NAME.old` left by a replace that was killed between its renames does not stop the next one."""
+    import shutil
+
+    previous = shutil.copytree(artifact, tmp_path / "artifact")
+    (tmp_path / ".artifact.old").mkdir()
+    (tmp_path / ".artifact.old" / "model.onnx").write_bytes(b"stale")
+    write_artifact(
+        previous, lambda staging: shutil.copytree(artifact, staging, dirs_exist_ok=True), {"backend": "onnx"}
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["artifact"]
+
+
 def test_a_failed_compile_leaves_nothing_behind(tiny_checkpoints, tmp_path, capsys):
     out = tmp_path / "gpt2-artifact"
     args = ["compile", str(tiny_checkpoints["gpt2"]), "-o", str(out), "--quant", "q8", "--quant-embedding"]
@@ -196,6 +209,21 @@ def test_every_path_the_manifest_names_stays_inside_and_is_hashed(artifact, tmp_
     assert main(["generate", str(copy), "--prompt", "x"]) == 1
     err = capsys.readouterr().err
     assert "manifest.json" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("field", ["spec", "dtype", "kv_layout", "target", "backend", "spec.vocab_size"])
+def test_a_manifest_missing_a_field_is_one_line_naming_it(artifact, tmp_path, capsys, field):
+    def drop(manifest, _):
+        *parents, name = field.split(".")
+        owner = manifest[parents[0]] if parents else manifest
+        del owner[name]
+
+    copy = _tampered(artifact, tmp_path, drop)
+    assert main(["generate", str(copy), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert f"manifest.json: field '{field.split('.')[0]}'" in err and "Traceback" not in err
+    if "." in field:
+        assert field.split(".")[1] in err
 
 
 def test_every_file_field_is_checked(tmp_path):
