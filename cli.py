@@ -661,7 +661,11 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     roof.set_defaults(run=_roofline)
 
-    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    srv = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions); an artifact is code that "
+        "runs in the server (TVM's model.so, MLIR modules): serve only artifacts you trust",
+    )
     srv.add_argument("model", help=MODEL_HELP)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=parse_port, default=8000, help="TCP port, 1-65535 (default 8000)")

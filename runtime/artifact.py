@@ -3,11 +3,13 @@
 Written into a temporary sibling directory and renamed into place when complete, so a crash never leaves
 a half-written artifact; loading checks the format version and every file's sha256 and names what is wrong.
 
-An artifact may come from anyone (a server loads the directory a user points it at), so before anything is
-read `read_manifest` also checks that every path the manifest names (its `files` and each `file` field: entry
-points, weights, device code, the block-copy model) stays inside the directory (relative, no `..`, no symlink
-leading out) and is hashed, and that every file the runtime reads by name (TOKENIZER_FILES) is hashed too:
-a stray, unlisted chat_template.jinja is refused, never read.
+An artifact is code: TVM's model.so is a shared library the loading process runs, and an MLIR artifact's module
+is compiled to native code when it loads, so load only artifacts you trust (ones you compiled, or that come from
+someone you would let run programs on the machine). The checks here catch corruption, mistakes and hand edits, not
+a malicious author: before anything is read `read_manifest` checks that every path the manifest names (its
+`files` and each `file` field: entry points, weights, device code, the block-copy model) stays inside the
+directory (relative, no `..`, no symlink leading out) and is hashed, and that every file the runtime reads by
+name (TOKENIZER_FILES) is hashed too: a stray, unlisted chat_template.jinja is refused, never read.
 """
 
 from __future__ import annotations

@@ -234,7 +234,8 @@ class Engine:
         weights_seed: int = 0,
         **limits: int | bool | None,
     ) -> Engine:
-        """An Engine on a compiled artifact; needs only numpy, tokenizers, jinja2 and the backend's runtime.
+        """An Engine on a compiled artifact (code: TVM's model.so and MLIR modules run natively in this process, so
+        only artifacts you trust); needs only numpy, tokenizers, jinja2 and the backend's runtime.
         `config` or EngineConfig's fields as keywords (max_num_seqs=4, max_context=512, ...) set its limits.
         `weights`: "auto" reads the artifact's weights file; "random" makes up every weight the manifest lists
         from `weights_seed` instead (dummy weights, for speed runs where the weights file is absent)."""
