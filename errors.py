@@ -21,6 +21,11 @@ class GenerationError(LlmlowerError):
     """A generation request cannot be served (e.g. the prompt is longer than the context)."""
 
 
+class RequestFailed(GenerationError):
+    """The engine failed while serving a request (its model step, or choosing its tokens): that request alone ends;
+    the details are in the log, the message says only what was being done."""
+
+
 class ArgumentError(LlmlowerError, ValueError):
     """An argument (a command-line flag, an API parameter) has a value outside its range; the message names the
     flag and the value (`--stride 128: ...`)."""

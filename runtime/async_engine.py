@@ -4,21 +4,26 @@ One background thread owns the engine and drives `step()` while any request is u
 request joins the same continuous batch. Callers add requests at any time and read their deltas from their own
 queues. A caller that is cancelled (a client that disconnects, `asyncio.wait_for` timing out) or stops
 iterating has its requests aborted: the abort reaches the engine thread before its next step, which frees the
-requests' KV blocks.
+requests' KV blocks. A request the engine fails (its model step, or choosing its tokens) raises RequestFailed
+to its caller alone; if the engine thread itself dies, every caller, and every later one, gets RequestFailed and
+`alive` turns False (a server then reports itself unhealthy and exits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from ..errors import GenerationError
+from ..errors import GenerationError, RequestFailed
 from .engine import Engine, EngineStats, GenerationDelta, GenerationResult, Prompt, params_per_prompt
 from .sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +33,7 @@ class _Listener:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     position: int
+    added: asyncio.Future | None = None  # settled when the engine thread has taken the request, or has died
 
 
 class AsyncEngine:
@@ -40,6 +46,12 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._stats = engine.stats()
+        self.failure: BaseException | None = None  # what stopped the engine thread, if anything did
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has died: nothing more will be served."""
+        return self.failure is None
 
     def stats(self) -> EngineStats:
         """The engine's counters as of its last step (read without stopping it)."""
@@ -100,22 +112,29 @@ class AsyncEngine:
 
     async def _add(self, request_id: str, prompt: Prompt, params: SamplingParams, chat: bool, to: _Listener) -> None:
         """Add a request on the engine thread; raises the engine's error for a bad request."""
-        added: asyncio.Future = to.loop.create_future()
+        added = to.added = to.loop.create_future()
 
         def add() -> None:
             try:
                 self.engine.add_request(prompt, params, chat, request_id)
             except Exception as exc:
+                self._listeners.pop(request_id, None)
                 to.loop.call_soon_threadsafe(_settle, added, exc)
                 return
-            self._listeners[request_id] = to
             to.loop.call_soon_threadsafe(_settle, added, None)
 
-        self._send(add)
+        self._listeners[request_id] = to  # listening already: a thread that dies before `add` runs still tells it
+        try:
+            self._send(add)
+        except BaseException:
+            self._listeners.pop(request_id, None)
+            raise
         await added
 
     def _send(self, command: Callable[[], None]) -> None:
         """Run `command` on the engine thread before its next step (starting the thread on first use)."""
+        if self.failure is not None:
+            raise RequestFailed("the engine has stopped (the details are in its log)")
         if self._closed:
             raise GenerationError("this AsyncEngine is closed")
         if self._thread is None:
@@ -129,7 +148,16 @@ class AsyncEngine:
         self.engine.abort(request_id)
 
     def _run(self) -> None:
-        """The engine thread: commands, then a step, while there is work; asleep otherwise."""
+        """The engine thread; if it dies (the engine's own bookkeeping broke), every caller hears so."""
+        try:
+            self._serve()
+        except BaseException as exc:
+            self.failure = exc
+            logger.critical("the engine thread stopped", exc_info=exc)
+            self._fail_all(RequestFailed("the engine stopped (the details are in its log)"))
+
+    def _serve(self) -> None:
+        """Commands, then a step, while there is work; asleep otherwise."""
         while not self._closed:
             while not self._commands.empty():
                 self._commands.get()()
@@ -138,11 +166,7 @@ class AsyncEngine:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            try:
-                deltas = self.engine.step()
-            except Exception as exc:  # the step's requests cannot go on: each caller gets the error
-                self._fail_all(exc)
-                continue
+            deltas = self.engine.step()  # a request it fails comes back as its error delta
             self._stats = self.engine.stats()
             for delta in deltas:
                 listener = self._listeners.get(delta.request_id)
@@ -159,9 +183,12 @@ class AsyncEngine:
             self._abort(request_id)
 
     def _fail_all(self, exc: Exception) -> None:
-        for request_id, listener in list(self._listeners.items()):
+        """Every listener gets `exc`, waiting for its request to be taken or for its deltas (the engine is not
+        touched: it may be what broke)."""
+        for listener in list(self._listeners.values()):
+            listener.loop.call_soon_threadsafe(_settle, listener.added, exc)
             listener.loop.call_soon_threadsafe(listener.queue.put_nowait, exc)
-            self._abort(request_id)
+        self._listeners.clear()
 
 
 class RequestStream:
@@ -182,11 +209,13 @@ class RequestStream:
         item = await self.deltas.get()
         if isinstance(item, BaseException):
             raise item
+        if item.error is not None:
+            raise RequestFailed(item.error)
         self.remaining -= item.finish_reason is not None
         return item
 
     def close(self) -> None:
-        if not self.engine._closed:
+        if not self.engine._closed and self.engine.alive:
             for request_id in self.ids:
                 self.engine._send(lambda request_id=request_id: self.engine._abort(request_id))
         self.ids = []

@@ -14,17 +14,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import GenerationError
+from ..errors import GenerationError, RequestFailed
 from ..spec import ModelSpec
 from .artifact import draft_artifact, read_manifest
 from .block_manager import BlockManager, kv_pool_blocks
@@ -41,6 +42,7 @@ from .tokenizer import Message, Tokenizer
 from .weights import WeightSource
 
 Prompt = str | list[Message]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class GenerationDelta:
     logprob: TokenLogprob | None = None
     request_id: str = ""
     result: GenerationResult | None = None
+    error: str | None = None  # the engine failed the request (finish_reason "error"); what it was doing
 
 
 @dataclass(frozen=True)
@@ -362,6 +365,8 @@ class Engine:
                     for position, request in enumerate(requests):
                         while request.outbox:
                             delta = request.outbox.popleft()
+                            if delta.error is not None:
+                                raise RequestFailed(delta.error)
                             if delta.result is not None:
                                 delta.result.request = position
                             yield replace(delta, request=position)
@@ -466,14 +471,14 @@ class Engine:
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
 
-    def _abort(self, request_id: str) -> bool:
+    def _abort(self, request_id: str, reason: str = "abort") -> bool:
         request = self.requests.get(request_id)
         if request is None or request.done:
             return False
         for sequence in request.sequences:
             if not sequence.finished:
                 sequence.finished = True
-                self.finished["abort"] += 1
+                self.finished[reason] += 1
                 if sequence not in request.forks:
                     self._retire(sequence)
         request.forks = []
@@ -485,6 +490,16 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        try:
+            logits, proposals, masks = self._run(scheduled)
+        except Exception as exc:  # the step's requests cannot go on; the others can
+            return self._fail([s.sequence.request for s in scheduled], "running the model step", exc)
+        now = time.perf_counter()
+        self.steps += 1
+        return self._after_step(scheduled, logits, proposals, masks, now)
+
+    def _run(self, scheduled: list[ScheduledSequence]) -> tuple[np.ndarray, list[Proposal], list[list | None]]:
+        """The step's block copies, proposals and executor run: its logits."""
         copies = self.blocks.take_copies()
         if copies:
             self.executor.copy_blocks(copies)
@@ -506,10 +521,18 @@ class Engine:
             if request.scheduled_at is None:
                 request.scheduled_at = started
                 item.sequence.cached_tokens = item.sequence.num_computed
-        logits = self.executor.step(batch)
-        now = time.perf_counter()
-        self.steps += 1
-        ends = np.cumsum(batch.num_logits)
+        return self.executor.step(batch), proposals, masks
+
+    def _after_step(
+        self,
+        scheduled: list[ScheduledSequence],
+        logits: np.ndarray,
+        proposals: list[Proposal],
+        masks: list[list | None],
+        now: float,
+    ) -> list[GenerationDelta]:
+        """Advance the scheduled sequences by what they computed; the ones whose prompt is done choose tokens."""
+        ends = np.cumsum([len(p.tokens) + 1 for p in proposals])
         choices: list[_Choice] = []
         for item, proposal, mask, end in zip(scheduled, proposals, masks, ends.tolist(), strict=True):
             sequence: _Sequence = item.sequence  # type: ignore[assignment]
@@ -556,7 +579,38 @@ class Engine:
 
     def _accept(self, choices: list[_Choice], now: float) -> list[GenerationDelta]:
         """Choose each sequence's next tokens (sample, or verify its proposal) and stream them; finished
-        sequences leave the batch."""
+        sequences leave the batch. A request whose tokens cannot be chosen or streamed fails alone."""
+        emitted, failed = self._chosen(choices)
+        returned: list[GenerationDelta] = []
+        for choice, tokens in zip(choices, emitted, strict=True):
+            if tokens is None or choice.sequence.request.done:  # failed, or its request failed with another choice
+                continue
+            try:
+                returned += self._stream(choice, tokens, now)
+            except Exception as exc:
+                failed.append((choice, exc))
+        for choice, exc in failed:
+            returned += self._fail([choice.sequence.request], "choosing its tokens", exc)
+        return returned
+
+    def _chosen(self, choices: list[_Choice]) -> tuple[list[list | None], list[tuple[_Choice, Exception]]]:
+        """Each choice's (token, logprob) pairs, chosen together; when that fails, each is chosen alone, so only
+        the choices that fail alone fail (None, with their exception)."""
+        try:
+            return self._choose(choices), []
+        except Exception as exc:
+            if len(choices) == 1:
+                return [None], [(choices[0], exc)]
+        emitted: list[list | None] = []
+        failed: list[tuple[_Choice, Exception]] = []
+        for choice in choices:
+            tokens, error = self._chosen([choice])
+            emitted += tokens
+            failed += error
+        return emitted, failed
+
+    def _choose(self, choices: list[_Choice]) -> list[list[tuple[int, TokenLogprob | None]]]:
+        """Sample the plain choices and verify the speculative ones, in one batch each."""
         emitted: list[list[tuple[int, TokenLogprob | None]]] = [[] for _ in choices]
         plain = [i for i, c in enumerate(choices) if not c.proposal.tokens]
         if plain:
@@ -594,26 +648,47 @@ class Engine:
                     (t, None if lp is None else TokenLogprob(t, lp, top))
                     for t, lp, top in zip(result.tokens, logprobs, tops, strict=True)
                 ]
+        return emitted
+
+    def _stream(self, choice: _Choice, tokens: list, now: float) -> list[GenerationDelta]:
+        """Append a choice's tokens to its sequence and stream them (to its caller's outbox, or returned)."""
         returned: list[GenerationDelta] = []
-        for choice, tokens in zip(choices, emitted, strict=True):
-            sequence = choice.sequence
-            for token, logprob in tokens:
-                out = self._emit(sequence, token, logprob, now)
-                if sequence.request.outbox is not None:
-                    sequence.request.outbox.append(out)
-                else:
-                    returned.append(out)
-                if sequence.finished:
-                    break
-            if choice.proposal.tokens and not sequence.finished:  # the kept guesses' KV stays; the rest goes
-                sequence.num_computed = len(sequence.token_ids) - 1
-                self.blocks.commit(sequence.seq_id, sequence.token_ids, sequence.num_computed)
-                self.blocks.truncate(sequence.seq_id, len(sequence.token_ids))
-            if self.proposer is not None and not sequence.finished:  # a draft may hold guesses the grammar cut
-                self.proposer.verified(sequence)
-            request = sequence.request
-            if request.outbox is None and request.done:
-                self.requests.pop(request.request_id, None)
+        sequence = choice.sequence
+        for token, logprob in tokens:
+            out = self._emit(sequence, token, logprob, now)
+            if sequence.request.outbox is not None:
+                sequence.request.outbox.append(out)
+            else:
+                returned.append(out)
+            if sequence.finished:
+                break
+        if choice.proposal.tokens and not sequence.finished:  # the kept guesses' KV stays; the rest goes
+            sequence.num_computed = len(sequence.token_ids) - 1
+            self.blocks.commit(sequence.seq_id, sequence.token_ids, sequence.num_computed)
+            self.blocks.truncate(sequence.seq_id, len(sequence.token_ids))
+        if self.proposer is not None and not sequence.finished:  # a draft may hold guesses the grammar cut
+            self.proposer.verified(sequence)
+        request = sequence.request
+        if request.outbox is None and request.done:
+            self.requests.pop(request.request_id, None)
+        return returned
+
+    def _fail(self, requests: Iterable[_Request], doing: str, exc: Exception) -> list[GenerationDelta]:
+        """End each of `requests` (once) with an error delta saying what the engine was doing, freeing its blocks;
+        the exception and its traceback go to the log, not to the request's caller."""
+        failed = list({r.request_id: r for r in requests if not r.done}.values())
+        if not failed:
+            return []
+        logger.error("requests %s failed while %s", ", ".join(r.request_id for r in failed), doing, exc_info=exc)
+        returned: list[GenerationDelta] = []
+        for request in failed:
+            error = f"the engine failed while {doing} (the details are in its log)"
+            delta = GenerationDelta(0, 0, "", -1, "error", request_id=request.request_id, error=error)
+            self._abort(request.request_id, "error")
+            if request.outbox is not None:
+                request.outbox.append(delta)
+            else:
+                returned.append(delta)
         return returned
 
     def _emit(self, sequence: _Sequence, token: int, logprob: TokenLogprob | None, now: float) -> GenerationDelta:

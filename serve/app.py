@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTasks
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import GenerationError
+from ..errors import GenerationError, RequestFailed
 from ..runtime import AsyncEngine, GenerationResult
 from ..runtime.async_engine import RequestStream
 from . import errors
@@ -139,6 +139,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
         if app.state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -218,6 +220,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, message, field, "context_length_exceeded")
         try:
             stream = await engine.submit(ids, params, chat=False)
+        except RequestFailed as error:  # the engine, not the request
+            raise APIError(500, str(error), None, "engine_error") from None
         except GenerationError as error:
             message = str(error)
             error = structured_error(message, body) or APIError(400, message, _param(message, field), "invalid_value")
@@ -233,6 +237,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             return StreamingResponse(events, media_type="text/event-stream", background=background)
         try:
             return JSONResponse(formatter.response(await collect_or_abort(stream, request)))
+        except RequestFailed as error:  # what the engine was doing; the details are in the server log
+            raise APIError(500, str(error), None, "engine_error") from None
         finally:
             release()
 
@@ -279,8 +285,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             if with_usage:
                 yield sse(formatter.chunk([], usage(results), True))
             yield "data: [DONE]\n\n"
-        except GenerationError as error:  # the engine failed mid-stream: the client hears why
+        except GenerationError as error:  # the engine failed the request mid-stream: the client hears so, then [DONE]
             yield APIError(500, str(error), None, "engine_error").event()
+            yield "data: [DONE]\n\n"
         finally:
             stream.close()
             release()

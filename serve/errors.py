@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -10,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+logger = logging.getLogger(__name__)
 TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}  # others: invalid_request
 
 
@@ -64,5 +66,6 @@ def install(app: FastAPI) -> None:
         return APIError(error.status_code, str(error.detail)).response()
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, error: Exception) -> JSONResponse:
-        return APIError(500, f"internal error: {type(error).__name__}: {error}").response()
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return APIError(500, "internal error (the details are in the server log)", None, "internal_error").response()
