@@ -293,7 +293,7 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
     api_key = args.api_key or os.environ.get("LLMLOWER_API_KEY")
     limits = RequestLimits(**{flag: getattr(args, flag) for flag, _, _ in LIMIT_FLAGS})
-    config = ServerConfig(name, api_key, args.max_waiting, args.max_body_bytes, limits)
+    config = ServerConfig(name, api_key, args.max_waiting, args.max_body_bytes, limits, args.request_timeout or None)
     if args.replicas > 1:
         try:
             from .serve.replicas import run_replicas
@@ -674,6 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting", type=int, default=256, help="sequences waiting before new requests get 429")
     srv.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20, help="larger request bodies get 413")
     srv.add_argument("--drain-timeout", type=int, default=30, help="seconds running requests get after SIGTERM")
+    srv.add_argument(
+        "--request-timeout", type=int, default=600, help="seconds a request may run before it is aborted (0: no limit)"
+    )
     for flag, default, what in LIMIT_FLAGS:
         srv.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default, help=f"{what} (default {default})")
     srv.add_argument(
@@ -697,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_waiting": 0,
         "max_body_bytes": 1,
         "drain_timeout": 0,
+        "request_timeout": 0,
         **{flag: 1 if flag == "max_n" else 0 for flag, _, _ in LIMIT_FLAGS},
         "max_context": 1,
         "max_num_seqs": 1,

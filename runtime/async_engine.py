@@ -214,6 +214,11 @@ class RequestStream:
         self.remaining -= item.finish_reason is not None
         return item
 
+    def expire(self, error: Exception) -> None:
+        """Abort the requests and end the iteration with `error` (a deadline passed)."""
+        self.close()
+        self.deltas.put_nowait(error)
+
     def close(self) -> None:
         if not self.engine._closed and self.engine.alive:
             for request_id in self.ids:

@@ -47,13 +47,22 @@ from .protocol import (
 @dataclass(frozen=True)
 class ServerConfig:
     """`max_waiting`: sequences that may wait beyond the engine's max_num_seqs before new requests get 429;
-    `max_body_bytes`: larger request bodies get 413; `limits`: what one request may ask for (400 beyond)."""
+    `max_body_bytes`: larger request bodies get 413; `limits`: what one request may ask for (400 beyond);
+    `request_timeout`: seconds a request may run before it is aborted (408), None for no limit."""
 
     model_name: str
     api_key: str | None = None
     max_waiting: int = 256
     max_body_bytes: int = 4 << 20
     limits: RequestLimits = RequestLimits()
+    request_timeout: float | None = 600.0
+
+
+NO_DEADLINE = 1e9  # seconds: no --request-timeout, as a deadline that never comes
+
+
+class RequestTimedOut(GenerationError):
+    """A request ran past the server's --request-timeout."""
 
 
 class BodyLimit:
@@ -227,20 +236,34 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             error = structured_error(message, body) or APIError(400, message, _param(message, field), "invalid_value")
             raise error from None
         formatter = Formatter(tokenizer, config.model_name, chat, params.n)
+        timer = deadline(stream, release)
         if body.stream:
             with_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = stream_events(stream, formatter, len(ids), with_usage, release)
             # also when the client leaves before the first event (the events then never start)
             background = BackgroundTasks()
-            for task in (stream.close, release):
+            for task in (stream.close, release, timer.cancel):
                 background.add_task(task)
             return StreamingResponse(events, media_type="text/event-stream", background=background)
         try:
             return JSONResponse(formatter.response(await collect_or_abort(stream, request)))
-        except RequestFailed as error:  # what the engine was doing; the details are in the server log
-            raise APIError(500, str(error), None, "engine_error") from None
+        except GenerationError as error:
+            raise stream_error(error) from None
         finally:
+            timer.cancel()
             release()
+
+    def deadline(stream: RequestStream, release: Callable[[], None]) -> asyncio.TimerHandle:
+        """The request's deadline: after request_timeout its stream expires (its sequences aborted, its iteration
+        ending in RequestTimedOut) and its admission is let go, whether its client still reads or not."""
+        seconds = config.request_timeout or NO_DEADLINE
+        error = RequestTimedOut(f"the request ran longer than this server's --request-timeout of {seconds:g} s")
+
+        def expire() -> None:
+            stream.expire(error)
+            release()
+
+        return asyncio.get_running_loop().call_later(seconds, expire)
 
     async def collect_or_abort(stream: RequestStream, request: Request) -> list[GenerationResult]:
         """Every completion's result; the requests are aborted if the client goes away first."""
@@ -285,14 +308,22 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             if with_usage:
                 yield sse(formatter.chunk([], usage(results), True))
             yield "data: [DONE]\n\n"
-        except GenerationError as error:  # the engine failed the request mid-stream: the client hears so, then [DONE]
-            yield APIError(500, str(error), None, "engine_error").event()
+        except GenerationError as error:  # the request failed or expired mid-stream: the client hears so, then [DONE]
+            yield stream_error(error).event()
             yield "data: [DONE]\n\n"
         finally:
             stream.close()
             release()
 
     return app
+
+
+def stream_error(error: GenerationError) -> APIError:
+    """How a request that failed after it was accepted is answered: 408 past its deadline, else 500 saying what
+    the engine was doing (never its internals)."""
+    if isinstance(error, RequestTimedOut):
+        return APIError(408, str(error), None, "request_timeout")
+    return APIError(500, str(error), None, "engine_error")
 
 
 def sse(payload: dict[str, Any]) -> str:

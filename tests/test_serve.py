@@ -499,6 +499,31 @@ def test_metrics_parse_and_move_with_the_traffic(server):
     assert httpx.get(f"{server}/metrics").status_code == 200  # no API key needed
 
 
+def test_requests_past_the_deadline_are_aborted_beside_an_innocent_one(artifact, tmp_path, serving):
+    """--request-timeout 1: a 1,000-token request (whole or streamed) ends at its deadline, 408 or an error event
+    then [DONE], and frees its blocks; a short request beside it gets its answer alone."""
+    with serving(artifact, "--request-timeout", "1", log=tmp_path / "log") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        innocent = {"model": "tiny-onnx", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+        alone = client.completions.create(**innocent).choices[0].text
+        endless = {"model": "tiny-onnx", "prompt": "Once upon a time", "max_tokens": 1000}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            streamed = pool.submit(_streamed_events, url, {**endless, "ignore_eos": True})
+            with pytest.raises(openai.APIStatusError) as raised:
+                client.completions.create(**endless, extra_body={"ignore_eos": True})
+            assert client.completions.create(**innocent).choices[0].text == alone
+            events = streamed.result()
+        assert raised.value.status_code == 408 and raised.value.body["code"] == "request_timeout"
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
+        values = _wait_idle(url)
+        assert values["llmlower:kv_cache_usage_perc"] == 0 and values["llmlower:num_requests_running"] == 0
+
+
+def _streamed_events(url: str, body: dict) -> list[str]:
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        return [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+
+
 def test_speculative_serving_counts_proposals_and_keeps_structured_output(artifact, tmp_path, serving):
     flags = ("--speculative", "ngram", "--num-speculative-tokens", "3")
     with serving(artifact, *flags, log=tmp_path / "log") as (url, _):
