@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from ..errors import GenerationError, RequestFailed
 from .engine import Engine, EngineStats, GenerationDelta, GenerationResult, Prompt, params_per_prompt
 from .sampling import SamplingParams
+from .structured import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,14 @@ class _Listener:
     added: asyncio.Future | None = None  # settled when the engine thread has taken the request, or has died
 
 
+GRAMMAR_SECONDS = 10.0  # the longest a request's structured output may take to compile
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, grammar_seconds: float = GRAMMAR_SECONDS) -> None:
+        """`grammar_seconds`: how long a request's grammar may compile (in a worker thread) before it is refused."""
         self.engine = engine
+        self.grammar_seconds = grammar_seconds
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._listeners: dict[str, _Listener] = {}
@@ -90,6 +96,9 @@ class AsyncEngine:
         """Add the requests now (a bad one raises here, and none of them runs); iterate the result for their
         deltas, close it to abort what is left (a server can answer an error before it starts a response)."""
         params = params_per_prompt(prompts, params)
+        outputs = {p.structured_output.llguidance_grammar: p.structured_output for p in params if p.structured_output}
+        for output in outputs.values():
+            await self._compiled(output)
         requests = RequestStream(self, sum(p.n for p in params))
         try:
             for position, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
@@ -100,6 +109,16 @@ class AsyncEngine:
             requests.close()
             raise
         return requests
+
+    async def _compiled(self, output: StructuredOutput) -> None:
+        """Compile a grammar in a worker thread, neither on the event loop nor on the engine thread (which then
+        finds it compiled); one that takes longer than grammar_seconds is refused (it finishes in the background,
+        and a later request for it finds it compiled)."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.engine.compile_grammar, output), self.grammar_seconds)
+        except TimeoutError:
+            limit = f"{self.grammar_seconds:g} s"
+            raise GenerationError(f"structured_output.{output.kind}: took longer than {limit} to compile") from None
 
     async def close(self) -> None:
         """Stop the engine thread once it has finished its current step (unfinished requests are aborted)."""

@@ -37,7 +37,7 @@ from .sampling import Sampler, SamplingParams, SequenceSampling
 from .scheduler import ScheduledSequence, Scheduler
 from .scheduler import Sequence as SchedulerSequence
 from .speculative import Proposal, SpeculationStats, SpeculativeConfig, verify
-from .structured import Constraint, GrammarCompiler
+from .structured import Constraint, GrammarCompiler, StructuredOutput
 from .tokenizer import Message, Tokenizer
 from .weights import WeightSource
 
@@ -224,6 +224,7 @@ class Engine:
         self._request_ids = itertools.count()
         self._driver = threading.Lock()
         self._grammars: GrammarCompiler | None = None  # built for the first request with structured output
+        self._grammars_built = threading.Lock()
         self.prompt_tokens = self.generation_tokens = self.steps = 0
         self.finished: Counter[str] = Counter()
 
@@ -421,10 +422,16 @@ class Engine:
             self._grammar_compiler().check(params.structured_output)
         return ids
 
+    def compile_grammar(self, output: StructuredOutput) -> None:
+        """Compile a structured output now, from any thread (a server's worker), so that adding a request that asks
+        for it finds it compiled; a bad one raises here."""
+        self._grammar_compiler().check(output)
+
     def _grammar_compiler(self) -> GrammarCompiler:
         """The compiler of structured outputs for this model's tokenizer, built on first use (needs llguidance)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.spec.vocab_size, self.eos_token_ids)
+        with self._grammars_built:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.spec.vocab_size, self.eos_token_ids)
         return self._grammars
 
     def _add(

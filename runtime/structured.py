@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json as jsonlib
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -151,7 +152,8 @@ class Constraint:
 
 class GrammarCompiler:
     """Compiles structured outputs against one model's tokenizer (built from its tokenizer.json text, without
-    transformers) into per-completion constraints; the model's EOS ids end every grammar."""
+    transformers) into per-completion constraints; the model's EOS ids end every grammar. Thread-safe: a server
+    compiles in worker threads while the engine thread takes the compiled grammars from the cache."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         module = llguidance()
@@ -163,6 +165,7 @@ class GrammarCompiler:
         self._matcher = module.LLMatcher
         self.words = (tokenizer.vocab_size + 31) // 32  # >= the model's vocabulary
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # llguidance grammar -> matcher at its start
+        self._lock = threading.Lock()  # guards _compiled (a compile itself runs outside it)
 
     def check(self, output: StructuredOutput) -> None:
         """Compile `output` now (kept for constraints()), so that a bad one is refused before a request is queued."""
@@ -175,12 +178,15 @@ class GrammarCompiler:
 
     def _start(self, output: StructuredOutput) -> Any:
         """The compiled matcher of `output` at the grammar's start (the most recent COMPILED_GRAMMARS are kept)."""
-        matcher = self._compiled.pop(output.llguidance_grammar, None)
+        key = output.llguidance_grammar
+        with self._lock:
+            matcher = self._compiled.get(key)
         if matcher is None:
-            matcher = self._matcher(self._tokenizer, output.llguidance_grammar, log_level=0, limits=self._limits)
+            matcher = self._matcher(self._tokenizer, key, log_level=0, limits=self._limits)
             if matcher.is_error():
                 raise output.error(matcher.get_error())
-        self._compiled[output.llguidance_grammar] = matcher
-        while len(self._compiled) > COMPILED_GRAMMARS:
-            self._compiled.popitem(last=False)
-        return matcher
+        with self._lock:
+            self._compiled[key] = self._compiled.pop(key, matcher)  # most recently used last
+            while len(self._compiled) > COMPILED_GRAMMARS:
+                self._compiled.popitem(last=False)
+            return self._compiled[key]

@@ -24,7 +24,7 @@ from starlette.background import BackgroundTasks
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import GenerationError, RequestFailed
-from ..runtime import AsyncEngine, GenerationResult
+from ..runtime import AsyncEngine, GenerationResult, SamplingParams
 from ..runtime.async_engine import RequestStream
 from . import errors
 from .errors import APIError
@@ -221,7 +221,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         """Check the prompts against the context, submit them, and answer whole or as a stream."""
         field = "messages" if chat else "prompt"
         longest = max(len(p) for p in ids)
-        params = sampling_params(body, max(1, max_context - longest) if chat else COMPLETIONS_MAX_TOKENS)
+        params = await checked_params(body, max(1, max_context - longest) if chat else COMPLETIONS_MAX_TOKENS)
         asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
         if longest + (asked or 1) > max_context:  # without max_tokens, generation stops at the context
             what = f"{longest} prompt tokens" + (f" + max_tokens {asked}" if asked else "")
@@ -252,6 +252,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         finally:
             timer.cancel()
             release()
+
+    async def checked_params(body: ChatRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
+        """The request's SamplingParams, built in a worker thread: a structured output is translated and checked
+        by llguidance there, not on the event loop, within the engine's grammar time limit."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(sampling_params, body, max_tokens), engine.grammar_seconds)
+        except TimeoutError:
+            field = (grammar_source(body) or ("structured_outputs", None))[0]
+            message = f"{field}: took longer than {engine.grammar_seconds:g} s to check"
+            raise APIError(400, message, field, "invalid_value") from None
 
     def deadline(stream: RequestStream, release: Callable[[], None]) -> asyncio.TimerHandle:
         """The request's deadline: after request_timeout its stream expires (its sequences aborted, its iteration

@@ -4,6 +4,7 @@ against the sampler, rollback, and the runtime without torch (tiny Llama with 1,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
@@ -16,7 +17,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from llmlower.api import load_engine
 from llmlower.errors import GenerationError
-from llmlower.runtime import SamplingParams, Tokenizer
+from llmlower.runtime import AsyncEngine, SamplingParams, Tokenizer
 from llmlower.runtime.sampling import Sampler, SequenceSampling, allowed_tokens
 from llmlower.runtime.structured import GrammarCompiler, StructuredOutput
 
@@ -165,6 +166,24 @@ def test_a_grammar_refused_by_the_tokenizer_is_refused_before_anything_is_queued
     assert not engine.requests and not engine.has_unfinished()
     params = SamplingParams(temperature=0, max_tokens=20, structured_output=StructuredOutput(regex=REGEX))
     assert re.fullmatch(REGEX, engine.generate(["Code:"], params, chat=False)[0].text)
+
+
+def test_a_server_compiles_grammars_in_a_worker_within_a_time_limit(engine):
+    """AsyncEngine compiles a request's grammar off the event loop and the engine thread: past the limit (0 s here)
+    the request is refused naming the field and nothing is queued; the engine then serves the same request."""
+    schema = {"type": "object", "properties": {"late": {"type": "integer"}}, "required": ["late"]}
+    params = SamplingParams(temperature=0, max_tokens=20, structured_output=StructuredOutput(json=schema))
+
+    async def scenario() -> None:
+        server = AsyncEngine(engine, grammar_seconds=0)
+        with pytest.raises(GenerationError, match=r"structured_output\.json: took longer than 0 s to compile"):
+            await server.generate(["a number"], params)
+        assert not engine.has_unfinished()
+        await server.close()
+
+    asyncio.run(scenario())
+    (result,) = engine.generate(["a number"], params)
+    assert isinstance(json.loads(result.text)["late"], int)
 
 
 def test_sampling_params_check_the_type():
