@@ -97,12 +97,12 @@ class Replica:
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = serving_app(self.engine, self.server_config)
         app.add_middleware(ReplicaHeader, replica=self.replica_id)
-        self.app = app
+        self.served_app = app  # `app` is Serve's own attribute of an ingress deployment
         return app
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine thread died is unhealthy, so Serve replaces it."""
-        app = getattr(self, "app", None)
+        app = getattr(self, "served_app", None)
         if app is not None and not app.state.engine.alive:
             raise RuntimeError(f"llmlower replica {self.replica_id}: the engine thread stopped")
 
