@@ -20,7 +20,8 @@ Each replica reserves `threads` of Ray's CPUs and runs its executor with that ma
 the cluster's CPUs split evenly, at most one node's worth), plus one GPU for a CUDA artifact. Serve's
 max_ongoing_requests is what the app admits itself (max_num_seqs + max_waiting), so a full replica answers 429
 as `llmlower serve` does (the app counts sequences, n of them per request); requests beyond every replica's
-max_ongoing_requests wait in Ray's proxy.
+max_ongoing_requests wait in Ray's router, at most max_waiting of them (max_queued_requests): more get Ray's own
+429 with Retry-After, so nothing queues without limit in front of the replicas.
 
 /health, /metrics and the rest behind Ray's proxy: every request reaches ONE replica, the one Ray's router picks
 (the less loaded of two random ones, same node first), so
@@ -52,6 +53,7 @@ from typing import Any
 import ray
 from fastapi import FastAPI
 from ray import serve
+from ray.serve.config import BackpressureConfig
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import LlmlowerError
@@ -181,6 +183,8 @@ def run_replicas(
                 num_replicas=replicas,
                 ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
                 max_ongoing_requests=engine_config.max_num_seqs + server_config.max_waiting,
+                max_queued_requests=server_config.max_waiting,
+                backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
                 graceful_shutdown_timeout_s=drain_timeout,
             )
             app = deployment.bind(str(path), engine_config, server_config, cpus)

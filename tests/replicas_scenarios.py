@@ -159,6 +159,30 @@ def test_what_cannot_start_says_why_and_stops_ray(artifact, tmp_path, monkeypatc
     assert not ray.is_initialized()
 
 
+def test_a_full_deployment_answers_429_through_rays_proxy(artifact, monkeypatch):
+    """One replica holding one sequence and one waiting (max_num_seqs 1, --max-waiting 1), and Ray's router queueing
+    at most one more: of 8 long requests sent at once, those beyond get 429 with Retry-After at once instead of
+    waiting without limit in front of the replica, and the others are served. (Before the module's replicas.)"""
+    assert not ray.is_initialized(), "this test starts a Ray instance of its own"
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    engine = EngineConfig(max_num_seqs=1, max_context=128)
+    config = ServerConfig(MODEL, KEY, max_waiting=1)
+
+    async def eight_at_once(url: str) -> list[httpx.Response]:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=body, headers=headers) for _ in range(8)))
+
+    with run_replicas(artifact, engine, config, replicas=1, threads=1, port=_free_port(), blocking=False) as running:
+        responses = asyncio.run(eight_at_once(running.url))
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) == {200, 429}, statuses
+    assert all(r.headers.get("retry-after") for r in responses if r.status_code == 429)
+    assert not ray.is_initialized()
+
+
 def _metrics_by_replica(url: str, replicas: int = 2, tries: int = 60) -> dict[str, dict[str, float]]:
     """/metrics of each replica: asked until every replica has answered once (each answer is one replica's)."""
     seen: dict[str, dict[str, float]] = {}
