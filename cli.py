@@ -675,7 +675,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20, help="larger request bodies get 413")
     srv.add_argument("--drain-timeout", type=int, default=30, help="seconds running requests get after SIGTERM")
     srv.add_argument(
-        "--request-timeout", type=int, default=600, help="seconds a request may run before it is aborted (0: no limit)"
+        "--request-timeout",
+        type=float,
+        default=600,
+        help="seconds a request may run before it is aborted (0: no limit; default 600)",
     )
     for flag, default, what in LIMIT_FLAGS:
         srv.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default, help=f"{what} (default {default})")
@@ -718,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name, bound in lowest.items():
         value = getattr(args, name, None)
-        if isinstance(value, int) and value < bound:
+        if isinstance(value, int | float) and value < bound:
             print(f"error: --{name.replace('_', '-')} must be >= {bound}, got {value}", file=sys.stderr)
             return 2
     progress.use_reporter(RichReporter(Console(stderr=True)))

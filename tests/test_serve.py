@@ -500,9 +500,10 @@ def test_metrics_parse_and_move_with_the_traffic(server):
 
 
 def test_requests_past_the_deadline_are_aborted_beside_an_innocent_one(artifact, tmp_path, serving):
-    """--request-timeout 1: a 1,000-token request (whole or streamed) ends at its deadline, 408 or an error event
-    then [DONE], and frees its blocks; a short request beside it gets its answer alone."""
-    with serving(artifact, "--request-timeout", "1", log=tmp_path / "log") as (url, _):
+    """--request-timeout 0.3: a 1,000-token request (whole or streamed; 1,000 steps take seconds) ends at its
+    deadline, 408 or an error event then [DONE], and frees its blocks; a short request beside it gets its answer
+    alone."""
+    with serving(artifact, "--request-timeout", "0.3", log=tmp_path / "log") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         innocent = {"model": "tiny-onnx", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
         alone = client.completions.create(**innocent).choices[0].text
