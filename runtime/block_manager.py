@@ -242,9 +242,10 @@ class BlockManager:
                 raise GenerationError(f"sequence {parent} was admitted without a KV slot for another completion")
             slot = source.fork_slots.pop()
             table = self.tables[child] = _Table(slot=slot, hashes=list(source.hashes))
+            for index in range(self.blocks_per_slot):  # the child rewrites the whole slot: its old prefix is gone
+                self._forget(slot * self.blocks_per_slot + index)
             for index, block in enumerate(source.blocks):
                 copy = slot * self.blocks_per_slot + index
-                self._forget(copy)
                 self.copies.append((block, copy))
                 self._reference(copy)
                 table.blocks.append(copy)

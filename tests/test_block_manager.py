@@ -102,6 +102,25 @@ def test_an_n_2_request_holds_its_forks_slot_from_admission():
     assert manager.num_free_blocks == 12
 
 
+def test_a_fork_slot_forgets_the_prefix_it_held_before_the_fork_writes_into_it():
+    """A slot taken for a fork may hold another request's cached blocks; the fork rewrites them all, so none of
+    them may still be found as a cached prefix (found by the soak: a later prompt got the fork's KV as its own,
+    and a forgotten block's missing name then stopped the engine)."""
+    manager = BlockManager(num_blocks=12, block_size=BLOCK, blocks_per_slot=4)  # 3 slots of 16 positions
+    _run_to(manager, 0, [1, 2, 3, 4, 9])  # slot 0 names the block [1, 2, 3, 4]; it keeps running
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    _run_to(manager, 1, prompt)  # slot 1: its first block copied from slot 0, then [5..8] and [9..12] named
+    manager.free(1)
+    assert manager.admit(2, [20, 21], width=2) == 0 and manager.allocate(2, 2)  # slot 2, fork slot 1
+    manager.fork(2, 3)
+    child = [20, 21, 30, 31, 32, 33, 34, 35, 36, 37]
+    assert manager.allocate(3, len(child))
+    manager.commit(3, child, len(child))  # the fork writes slot 1's second block with its own tokens
+    manager.free(2)
+    assert manager.admit(4, prompt) == 4  # only slot 0's first block still holds this prompt's prefix
+    manager.commit(4, prompt, 4)
+
+
 def test_pool_size_from_memory_and_a_pool_larger_than_the_machine_is_refused():
     assert kv_pool_blocks(1024, 16, max_num_seqs=4, max_context=100) == 4 * 7
     assert kv_pool_blocks(1024, 16, 4, 100, kv_cache_memory=16 * 1024 * 10) == 10
