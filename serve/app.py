@@ -230,7 +230,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         try:
             stream = await engine.submit(ids, params, chat=False)
         except RequestFailed as error:  # the engine, not the request
-            raise APIError(500, str(error), None, "engine_error") from None
+            raise stream_error(error) from None
         except GenerationError as error:
             message = str(error)
             error = structured_error(message, body) or APIError(400, message, _param(message, field), "invalid_value")

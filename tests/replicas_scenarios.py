@@ -272,6 +272,31 @@ def test_errors_keep_the_openai_envelope_through_the_proxy(url):
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_a_killed_replica_is_replaced_while_the_other_serves(url, expected):
+    """The replica that answered is killed (its actor, as a crash would take it): every request after that is
+    answered, with the in-process engine's text, by the other replica until Serve has started a new one, which
+    then serves too. (Last of the module's replica tests: it changes the replicas.)"""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def ask() -> tuple[str, str]:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=MAX_TOKENS, temperature=0
+        )
+        return raw.parse().choices[0].message.content, raw.headers[REPLICA_HEADER]
+
+    _, victim = ask()
+    actor = next(a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{victim}"))
+    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    answered_by: list[str] = []
+    deadline = time.monotonic() + 120
+    while len(set(answered_by)) < 2 and time.monotonic() < deadline:
+        text, replica = ask()
+        assert text == expected[0]
+        answered_by.append(replica)
+    assert victim not in answered_by
+    assert len(set(answered_by)) == 2, f"no new replica served within 120 s: {answered_by[-5:]}"
+
+
 def test_replicas_need_an_artifact(tmp_path):
     with pytest.raises(LlmlowerError, match="compiled artifacts only"):
         run_replicas(tmp_path, ENGINE, ServerConfig(MODEL), replicas=2, blocking=False)

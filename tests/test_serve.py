@@ -409,31 +409,70 @@ BAD_REQUESTS = [  # (what, path, body or raw bytes, headers, status, param, code
 ]
 
 
+INNOCENT = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 64, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def innocent_alone(server) -> str:
+    """What the innocent request gets when it is alone on the server."""
+    return _client(server).completions.create(**INNOCENT, extra_body={"ignore_eos": True}).choices[0].text
+
+
+@contextlib.contextmanager
+def _innocent_running(server: str, alone: str) -> Iterator[None]:
+    """The innocent request streams (its first token is out) while the block runs; then its text must be the one
+    it gets alone."""
+    stream = _client(server).completions.create(**INNOCENT, stream=True, extra_body={"ignore_eos": True})
+    parts = [next(iter(stream)).choices[0].text]
+    yield
+    parts += [chunk.choices[0].text for chunk in stream]
+    assert "".join(parts) == alone
+
+
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=[case[0] for case in BAD_REQUESTS])
-def test_bad_requests_get_an_openai_error_and_the_server_goes_on(server, case):
+def test_bad_requests_get_an_openai_error_beside_an_innocent_request(server, innocent_alone, case):
     what, path, body, headers, status, param, code = case
     base = {"model": MODEL}
     base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **headers}
-    if body is None:
-        response = httpx.get(f"{server}{path}", headers=headers)
-    else:
-        content = body if isinstance(body, bytes) else json.dumps({**base, **body}).encode()
-        response = httpx.post(f"{server}{path}", content=content, headers=headers)
+    with _innocent_running(server, innocent_alone):
+        if body is None:
+            response = httpx.get(f"{server}{path}", headers=headers)
+        else:
+            content = body if isinstance(body, bytes) else json.dumps({**base, **body}).encode()
+            response = httpx.post(f"{server}{path}", content=content, headers=headers)
     assert response.status_code == status, (what, response.text)
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"], what
     assert (error["param"], error["code"]) == (param, code), (what, error)
     assert httpx.get(f"{server}/health").status_code == 200
-    reply = _client(server).completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
-    assert reply.choices[0].finish_reason == "length"
+
+
+def test_requests_at_every_limit_are_served_beside_an_innocent_request(server, innocent_alone):
+    """Requests right at the server's limits (n = 16, all of --max-num-seqs; 16 stop strings of 256 characters,
+    256 stop token ids, 300 logit_bias entries, 20 top logprobs, a 4,096-byte grammar), all at once: each is served,
+    and the innocent request streaming beside them gets its answer alone."""
+    client = _client(server)
+    at_limits = [
+        {"prompt": "one", "n": 16},
+        {"prompt": "two", "stop": [f"{i:03d}" + "x" * 253 for i in range(16)]},
+        {"prompt": "three", "extra_body": {"stop_token_ids": list(range(64, 320))}},
+        {"prompt": "four", "logit_bias": {str(i): -1.0 for i in range(300)}},
+        {"prompt": "five", "logprobs": 20},
+        {"prompt": "six", "extra_body": {"structured_outputs": {"regex": "(a|b)" * 819 + "a"}}},
+    ]
+    with _innocent_running(server, innocent_alone), concurrent.futures.ThreadPoolExecutor(len(at_limits)) as pool:
+        replies = [pool.submit(client.completions.create, model=MODEL, max_tokens=8, **r) for r in at_limits]
+        answers = [reply.result() for reply in replies]
+    assert [len(answer.choices) for answer in answers] == [16, 1, 1, 1, 1, 1]
+    assert all(choice.finish_reason in ("length", "stop") for answer in answers for choice in answer.choices)
 
 
 def test_hostile_sampling_values_are_served_beside_an_innocent_request(server):
     """top_k = 2**63 (the vocabulary) and a subnormal temperature (greedy) in the same steps as an innocent request:
     each is answered, and the innocent request gets its answer alone."""
     client = _client(server)
-    innocent = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+    innocent = {**INNOCENT, "max_tokens": 8}
     alone = client.completions.create(**innocent).choices[0].text
     hostile = [
         {"prompt": "def add(a, b):", "max_tokens": 8, "extra_body": {"top_k": 2**63}, "seed": 1},
