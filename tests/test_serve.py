@@ -540,8 +540,8 @@ def test_metrics_parse_and_move_with_the_traffic(server):
 
 def test_requests_past_the_deadline_are_aborted_beside_an_innocent_one(artifact, tmp_path, serving):
     """--request-timeout 0.3: a 1,000-token request (whole or streamed; 1,000 steps take seconds) ends at its
-    deadline, 408 or an error event then [DONE], and frees its blocks; a short request beside it gets its answer
-    alone."""
+    deadline, 408 or an error event then [DONE], and frees its blocks, also when its client stops reading and keeps
+    the connection open; a short request beside it gets its answer alone."""
     with serving(artifact, "--request-timeout", "0.3", log=tmp_path / "log") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         innocent = {"model": "tiny-onnx", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
@@ -557,6 +557,12 @@ def test_requests_past_the_deadline_are_aborted_beside_an_innocent_one(artifact,
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
         values = _wait_idle(url)
         assert values["llmlower:kv_cache_usage_perc"] == 0 and values["llmlower:num_requests_running"] == 0
+        body = {**endless, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as silent:  # not read until idle
+            values = _wait_idle(url)
+            assert values["llmlower:kv_cache_usage_perc"] == 0 and values["llmlower:num_requests_running"] == 0
+            events = [line.removeprefix("data: ") for line in silent.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
 
 
 def _streamed_events(url: str, body: dict) -> list[str]:
