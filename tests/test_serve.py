@@ -565,6 +565,23 @@ def test_requests_past_the_deadline_are_aborted_beside_an_innocent_one(artifact,
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
 
 
+def test_an_n_2_request_beside_three_prompts_on_four_sequences(artifact, tmp_path, serving):
+    """ONNX Runtime on the CPU keeps each sequence in a KV slot of its own: an n = 2 request beside three short
+    prompts with --max-num-seqs 4 holds its fork's slot from admission, so all are answered and each short prompt
+    gets its answer alone."""
+    with serving(artifact, "--max-num-seqs", "4", log=tmp_path / "log") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        shorts = [{"model": "tiny-onnx", "prompt": p, "max_tokens": 8, "temperature": 0} for p in ("a", "b c", "d e f")]
+        alone = [client.completions.create(**short).choices[0].text for short in shorts]
+        pair = {"model": "tiny-onnx", "prompt": "Once upon a time", "max_tokens": 24, "n": 2, "temperature": 0}
+        for _ in range(3):
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                pairs = pool.submit(client.completions.create, **pair, extra_body={"ignore_eos": True})
+                beside = [pool.submit(client.completions.create, **short) for short in shorts]
+                assert [reply.result().choices[0].text for reply in beside] == alone
+                assert [choice.finish_reason for choice in pairs.result().choices] == ["length", "length"]
+
+
 def _streamed_events(url: str, body: dict) -> list[str]:
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
         return [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
