@@ -16,8 +16,8 @@ from llmlower.api import compile_artifact, compile_program, load_engine, text_pe
 from llmlower.backends.torch import TorchExecutor
 from llmlower.frontend import example_gguf, load
 from llmlower.passes import build_pipeline, parse_quant, run_pipeline
-from llmlower.runtime import Engine
-from llmlower.runtime.perplexity import perplexity
+from llmlower.runtime import Engine, GenerationResult
+from llmlower.runtime.perplexity import PerplexityResult, perplexity
 from llmlower.runtime.sampling import SamplingParams
 from llmlower.runtime.speculative import SpeculativeConfig
 
@@ -103,15 +103,19 @@ def fp32_artifacts(smollm2, tmp_path_factory):
     return artifact
 
 
+@pytest.fixture(scope="module")
+def reference_greedy(smollm2) -> list[GenerationResult]:
+    """The torch reference's greedy answers to PROMPTS, computed once for every backend's test."""
+    engine = load_engine(smollm2, max_num_seqs=3, max_context=256)
+    return engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))
+
+
 @pytest.mark.parametrize("backend", ["onnx", "tvm"])
-def test_artifact_greedy_equals_the_torch_reference(backend, smollm2, fp32_artifacts):
+def test_artifact_greedy_equals_the_torch_reference(backend, fp32_artifacts, reference_greedy):
     from_artifact = Engine.load(fp32_artifacts(backend), max_num_seqs=3, max_context=256).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=32)
     )
-    reference = load_engine(smollm2, max_num_seqs=3, max_context=256).generate(
-        PROMPTS, SamplingParams(temperature=0, max_tokens=32)
-    )
-    for prompt, ours, expected in zip(PROMPTS, from_artifact, reference, strict=True):
+    for prompt, ours, expected in zip(PROMPTS, from_artifact, reference_greedy, strict=True):
         assert ours.token_ids == expected.token_ids, prompt
 
 
@@ -175,8 +179,15 @@ def test_prompt_lookup_speculation_gives_the_greedy_tokens_of_plain_decoding(fp3
     assert engine.stats().kv_blocks_used == 0
 
 
+@pytest.fixture(scope="module")
+def reference_perplexity(smollm2) -> PerplexityResult:
+    """The fp32 torch reference's perplexity on PERPLEXITY_TEXT, computed once for every backend's test."""
+    text = PERPLEXITY_TEXT.read_text(encoding="utf-8")
+    return text_perplexity(smollm2, text, build_pipeline(all_logits=True))[0]
+
+
 @pytest.mark.parametrize("backend", ["onnx", "tvm"])
-def test_q4_artifact_perplexity_is_within_the_int4_bound(backend, smollm2, tmp_path):
+def test_q4_artifact_perplexity_is_within_the_int4_bound(backend, smollm2, tmp_path, reference_perplexity):
     """The q4g32 artifact as its backend runs it (ONNX Runtime: MatMulNBits with int8 activations, accuracy
     level 4; TVM: dequantize-in-matmul in float32): perplexity within +5% of the fp32 torch reference on the
     same text and windows."""
@@ -184,7 +195,7 @@ def test_q4_artifact_perplexity_is_within_the_int4_bound(backend, smollm2, tmp_p
     pipeline = build_pipeline(quant="q4g32", all_logits=True)
     artifact = compile_artifact(smollm2, tmp_path / "q4", pipeline, backend=backend)
     ours, history = text_perplexity(artifact, text, [])
-    reference, _ = text_perplexity(smollm2, text, build_pipeline(all_logits=True))
+    reference = reference_perplexity
     print(f"q4g32 {backend} artifact perplexity {ours.perplexity:.3f}, fp32 torch {reference.perplexity:.3f}")
     assert history[-1]["name"] == "quantize_weights" and ours.tokens == reference.tokens >= 2000
     assert ours.perplexity <= reference.perplexity * 1.05
