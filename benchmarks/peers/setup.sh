@@ -61,7 +61,7 @@ setup_llamacpp() {
 
 setup_llamacpp_converter() {
     # llama.cpp's own HF -> GGUF converter (and its gguf-py) from the same llama-cpp-python release, for checkpoints
-    # that no GGUF exists of (benchmarks/moe_speed.py); run with the main venv's torch and transformers.
+    # that no GGUF exists of (benchmarks/shaped_speed.py); run with the main venv's torch and transformers.
     local source="$HERE/.llama.cpp"
     if [[ -f "$source/convert_hf_to_gguf.py" ]]; then
         echo "[setup] $source exists" >&2

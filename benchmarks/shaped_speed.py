@@ -1,0 +1,334 @@
+"""Speed at the sizes people deploy: a checkpoint of a named shape with made-up weights, compiled by llmlower and
+given, the same file, to the peer engines, measured in one run. Quality is not the question here: the weights are
+random (seeded), the tokenizer SmolLM2's.
+
+Shapes: `llama-1b` (Llama-3.2-1B's: 16 layers, hidden 2048, 32 heads of 64 with 8 kv heads, MLP 8192, tied
+embeddings; 1.07 B parameters with this vocabulary) and `qwen3-moe` (Qwen3-MoE's scaled to this machine: 16 layers,
+hidden 1024, 32 experts of 1024, top-4; 1.75 B parameters, 0.30 B active).
+
+Rows: batch-1 decode tokens/s (64 greedy tokens after a 13-token prompt), TTFT of 512- and 2,048-token prompts
+(speed.py's loop), 16 requests of 100 prompt tokens and 128 new tokens each, all at once (vLLM's offline workload:
+output tokens / wall time); for each engine the bytes a decoded token reads and the share of the machine's measured
+bandwidth its decode reaches. Peers, set up by benchmarks/peers/setup.sh: llama.cpp (its own converter, then its
+quantizer: --llamacpp Q4_0,Q4_K_M), ONNX Runtime GenAI's builder (its CPU int4 defaults: --genai) and vLLM's CPU
+build (bf16: --vllm). Bytes a token reads: llmlower from the roofline cost model on the artifact's own pipeline
+(the chosen experts only), peers from their model files (dense shapes only: their files hold every expert).
+
+    .venv/bin/python benchmarks/shaped_speed.py [--shape llama-1b] [--quants q4mix,q4g32-sym] [--lm-head-bits 4]
+        [--backends onnx] [--llamacpp Q4_0] [--genai] [--vllm] [--new-tokens 64] [--repeats 3] [--threads N]
+        [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+from artifacts import ensure_artifact
+from speed import (
+    artifact_read_bytes,
+    bandwidth_roof,
+    llamacpp_read_bytes,
+    llmlower_executor,
+    measure,
+    ortgenai_read_bytes,
+    peer,
+)
+
+from llmlower.frontend import capture, example_checkpoint, load
+from llmlower.frontend.example import cache_dir
+from llmlower.ir.program import Program
+from llmlower.passes import build_pipeline, run_pipeline
+from llmlower.roofline import Ceilings, decode_read_bytes, machine_ceilings
+from llmlower.runtime import Engine, SamplingParams
+from llmlower.runtime.cpu_features import host_cpu_flags
+
+PEERS = Path(__file__).parent / "peers"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+PROMPT_TOKENS = (13, 512, 2048)  # the first is the decode's prompt
+OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_NEW = 16, 100, 128
+OFFLINE = f"offline_{OFFLINE_REQUESTS}_tokens_per_s"  # the 16 requests' figure in a row (vllm_offline.py's name)
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "asimddp", "i8mm", "sve")
+
+
+def llama_1b(vocab: int) -> transformers.PretrainedConfig:
+    """Llama-3.2-1B's shape."""
+    return transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+    )
+
+
+def qwen3_moe(vocab: int) -> transformers.PretrainedConfig:
+    """Qwen3-MoE's shape scaled to this machine: 16 heads of 64, 4 kv heads, every layer sparse."""
+    return transformers.Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=1024,
+        intermediate_size=1024,
+        max_position_embeddings=4096,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    )
+
+
+SHAPES: dict[str, Callable[[int], transformers.PretrainedConfig]] = {"llama-1b": llama_1b, "qwen3-moe": qwen3_moe}
+
+
+def write_checkpoint(directory: Path, config: transformers.PretrainedConfig) -> Path:
+    """The made-up checkpoint (bf16 safetensors, seeded) with SmolLM2's tokenizer files; written once."""
+    if (directory / "config.json").is_file():
+        return directory
+    torch.manual_seed(0)
+    print(f"[shaped] writing a made-up checkpoint into {directory}", file=sys.stderr)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    staging = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(example_checkpoint() / name, staging / name)
+    staging.rename(directory)
+    return directory
+
+
+def dense_equivalent_read_bytes(config: transformers.PretrainedConfig, quant: dict, context: int) -> int | None:
+    """For a mixture of experts: the bytes a token of the dense model of the same active size reads (an MLP of
+    top_k x expert size in place of the experts; random weights, only shapes matter). None for a dense shape."""
+    if not getattr(config, "num_experts", None):
+        return None
+    active = config.num_experts_per_tok * config.moe_intermediate_size
+    dense = transformers.Qwen3Config(**{**config.to_dict(), "intermediate_size": active})
+    with tempfile.TemporaryDirectory() as root:
+        transformers.AutoModelForCausalLM.from_config(dense).save_pretrained(root, safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            shutil.copy(example_checkpoint() / name, Path(root) / name)
+        return decode_read_bytes(run_pipeline(capture(load(Path(root))), build_pipeline(**quant)), context)
+
+
+def offline_throughput(engine: Engine, prompts: list[list[int]]) -> float:
+    """Output tokens/s of every prompt submitted at once, OFFLINE_NEW greedy tokens each (EOS ignored)."""
+    params = SamplingParams(temperature=0, max_tokens=OFFLINE_NEW, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
+    started = time.perf_counter()
+    results = engine.generate(prompts, params)
+    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - started)
+
+
+def llamacpp_gguf(checkpoint: Path, directory: Path, kind: str) -> Path:
+    """The checkpoint converted to GGUF by llama.cpp's own convert_hf_to_gguf.py (setup.sh llamacpp-converter; run
+    with this venv's torch) and quantized to `kind` (e.g. Q4_0) by llama.cpp's quantizer; made once."""
+    target = directory / f"model.{kind}.gguf"
+    if target.is_file():
+        return target
+    source = PEERS / ".llama.cpp"
+    f16 = directory / "model.f16.gguf"
+    if not f16.is_file():
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), str(source / "gguf-py")])}
+        convert = (  # the checkpoint carries SmolLM2's tokenizer, which the converter knows as "smollm" by the hash
+            "import runpy, sys\n"  # of the original's files; this copy's differs, so the name is given. It has no
+            "from conversion import base\n"  # sentencepiece model, which Llama's converter tries first by importing
+            "def no_sentencepiece(self):\n"  # sentencepiece (not installed): say the file is missing, as it would
+            "    raise FileNotFoundError('no tokenizer.model')\n"
+            "base.TextModel._create_vocab_sentencepiece = no_sentencepiece\n"
+            "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'smollm'\n"
+            "sys.argv = sys.argv[1:]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')"
+        )
+        command = [sys.executable, "-c", convert, str(source / "convert_hf_to_gguf.py"), str(checkpoint)]
+        subprocess.run(
+            [*command, "--outtype", "f16", "--outfile", str(f16)], check=True, env=environment, stdout=sys.stderr
+        )
+    quantize = (
+        "import sys, llama_cpp\n"
+        "params = llama_cpp.llama_model_quantize_default_params()\n"
+        f"params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_{kind}\n"
+        "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))"
+    )
+    python = PEERS / ".venv-llamacpp" / "bin" / "python"
+    subprocess.run([str(python), "-c", quantize, str(f16), str(target)], check=True, stdout=sys.stderr)
+    return target
+
+
+def genai_model(checkpoint: Path, directory: Path) -> Path:
+    """The checkpoint built by ONNX Runtime GenAI's own builder with its CPU int4 defaults, as setup.sh builds
+    SmolLM2's (symmetric int4, block 32, accuracy level 4); made once."""
+    target = directory / "ortgenai-int4"
+    if (target / "genai_config.json").is_file():
+        return target
+    staging = directory / "ortgenai-int4.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    python = PEERS / ".venv-ortgenai" / "bin" / "python"
+    command = [str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(staging / "out")]
+    command += ["-p", "int4", "-e", "cpu", "-c", str(staging / "cache")]
+    subprocess.run([*command, "--extra_options", "block_size=32", "accuracy_level=4"], check=True, stdout=sys.stderr)
+    (staging / "out").rename(target)
+    shutil.rmtree(staging)
+    return target
+
+
+def bf16_read_bytes(program: Program, context: int) -> int:
+    """Bytes per decoded token of the checkpoint run in bf16 (vLLM's CPU row): what the float32 program reads
+    (weights and KV cache by the roofline cost model, the chosen experts only) at half the width."""
+    return decode_read_bytes(program, context) // 2
+
+
+def machine(ceilings: Ceilings) -> str:
+    """The CPU, its vector ISA and the measured bandwidth: what every speed figure is stated with."""
+    flags = host_cpu_flags() or set()
+    isa = ", ".join(flag for flag in ISA_FLAGS if flag in flags) or "no vector extensions listed"
+    return f"{ceilings.description}; {isa}; {ceilings.bandwidth / 1e9:.1f} GB/s measured"
+
+
+def print_table(rows: dict[str, dict]) -> None:
+    """The rows as a Markdown table, decode also as a ratio to the first llama.cpp row."""
+    llamacpp = next((row["decode_tokens_per_s"] for name, row in rows.items() if name.startswith("llama.cpp")), None)
+    ttfts = [f"TTFT {n}" for n in PROMPT_TOKENS[1:]]
+    header = ["engine", "batch-1 decode tok/s", "vs llama.cpp", *ttfts, "16 requests tok/s", "MB/token", "roof"]
+    print("| " + " | ".join(header) + " |")
+    print("|---" + "|---:" * (len(header) - 1) + "|")
+    for name, row in rows.items():
+        decode, read = row["decode_tokens_per_s"], row.get("bytes_per_token")
+        cells = [
+            _cell(decode, "{:.1f}"),
+            _cell(decode / llamacpp if llamacpp else None, "{:.2f}x"),
+            *(_cell(row.get(f"ttft_{n}_s"), "{:.2f} s") for n in PROMPT_TOKENS[1:]),
+            _cell(row.get(OFFLINE), "{:.1f}"),
+            _cell(read / 1e6 if read else None, "{:.1f}"),
+            _cell(row.get("roof_pct"), "{:.0f}%"),
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def _cell(value: float | None, form: str) -> str:
+    return "-" if value is None else form.format(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
+    parser.add_argument("--workdir", type=Path, default=cache_dir() / "bench" / "shaped")
+    parser.add_argument("--quants", default="q4mix,q4g32-sym", help="llmlower's quant pipelines, comma-separated")
+    parser.add_argument("--lm-head-bits", type=int, choices=[4, 8], help="the LM head's bits under each quant")
+    parser.add_argument("--backends", default="onnx", help="llmlower's backends, comma-separated (onnx, tvm)")
+    parser.add_argument("--llamacpp", default="Q4_0", help="llama.cpp quant types, comma-separated, or 'none'")
+    parser.add_argument("--genai", action="store_true", help="also run ONNX Runtime GenAI's int4 (setup.sh ortgenai)")
+    parser.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build (setup.sh vllm)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    workdir = args.workdir / args.shape
+    vocab = json.loads((example_checkpoint() / "config.json").read_text())["vocab_size"]
+    config = SHAPES[args.shape](vocab)
+    checkpoint = write_checkpoint(workdir / "checkpoint", config)
+    ceilings = machine_ceilings("cpu")
+    filler = [1000 + i % 40000 for i in range(max(PROMPT_TOKENS))]
+    prompts = {n: filler[:n] for n in PROMPT_TOKENS}
+    offline = [[2000 + 37 * i + j for j in range(OFFLINE_PROMPT)] for i in range(OFFLINE_REQUESTS)]
+    context = max(PROMPT_TOKENS) + args.new_tokens + 1
+    read_context = PROMPT_TOKENS[0] + args.new_tokens // 2
+    head = {"lm_head_bits": args.lm_head_bits} if args.lm_head_bits else {}
+    suffix = (f" int{args.lm_head_bits} head", f"-head{args.lm_head_bits}") if head else ("", "")
+    builds = {  # row -> (backend, build_pipeline options, directory)
+        f"llmlower {backend} {quant}{suffix[0]}": (
+            backend,
+            {"quant": quant, **head},
+            workdir / f"{backend}-{quant}{suffix[1]}",
+        )
+        for backend in args.backends.split(",")
+        for quant in args.quants.split(",")
+    }
+    for backend, options, directory in builds.values():  # first, alone in memory: compiling holds float32 weights
+        ensure_artifact(str(checkpoint), backend, options, directory)
+    loaded = load(checkpoint)
+    captured = capture(loaded)
+    dense = not getattr(config, "num_experts", None)
+    rows: dict[str, dict] = {}
+    reads: dict[str, int | None] = {}
+    ggufs = {
+        f"llama.cpp {kind}": llamacpp_gguf(checkpoint, workdir, kind)
+        for kind in args.llamacpp.split(",")
+        if kind != "none"
+    }
+    genai = genai_model(checkpoint, workdir) if args.genai else None  # every model made before anything is timed
+    for name, (_, _, directory) in builds.items():
+        engine = Engine.load(directory, max_num_seqs=1, max_context=context, threads=args.threads)
+        print(f"[shaped] {name}: batch 1", file=sys.stderr)
+        row = measure(*llmlower_executor(engine.executor), prompts, args.new_tokens, args.repeats)
+        del engine
+        many = Engine.load(directory, max_num_seqs=OFFLINE_REQUESTS, max_context=256, threads=args.threads)
+        print(f"[shaped] {name}: {OFFLINE_REQUESTS} requests", file=sys.stderr)
+        runs = [offline_throughput(many, offline) for _ in range(args.repeats)]
+        row[OFFLINE] = statistics.median(runs)
+        del many
+        rows[name], reads[name] = row, artifact_read_bytes(captured, directory, read_context)
+    for name, gguf in ggufs.items():
+        print(f"[shaped] {name}: batch 1", file=sys.stderr)
+        rows[name] = peer("llamacpp", gguf, prompts, args.new_tokens, args.repeats, args.threads)
+        reads[name] = llamacpp_read_bytes(gguf, loaded.spec, read_context) if dense else None
+    if genai is not None:
+        print("[shaped] ONNX Runtime GenAI int4: batch 1", file=sys.stderr)
+        rows["ONNX Runtime GenAI int4"] = peer("ortgenai", genai, prompts, args.new_tokens, args.repeats, args.threads)
+        reads["ONNX Runtime GenAI int4"] = ortgenai_read_bytes(genai, loaded.spec, read_context) if dense else None
+    if args.vllm:
+        print("[shaped] vLLM CPU bf16", file=sys.stderr)
+        rows["vLLM CPU bf16"] = peer(
+            "vllm_offline", checkpoint, prompts, args.new_tokens, args.repeats, args.threads, venv="vllm"
+        )
+        reads["vLLM CPU bf16"] = bf16_read_bytes(captured, read_context)
+    for name, row in rows.items():
+        if reads[name]:
+            row.update(bandwidth_roof(row["decode_tokens_per_s"], reads[name], ceilings.bandwidth))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {
+        "shape": args.shape,
+        "parameters": sum(p.numel() for p in loaded.module.parameters()),
+        "machine": machine(ceilings),
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "threads": args.threads,
+        "decode_context": read_context,
+        "dense_equivalent_bytes_per_token": dense_equivalent_read_bytes(
+            config, next(iter(builds.values()))[1], read_context
+        ),
+        "rows": rows,
+    }
+    print(f"{args.shape}, {report['parameters'] / 1e9:.2f} B parameters; {report['machine']}")
+    print(f"{report['date']}, commit {commit}; medians of {args.repeats}")
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
