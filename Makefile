@@ -1,6 +1,8 @@
 # Two commands do everything: `make demo` and `make test`. Both set up .venv first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# test files are spread over this many processes (a file's tests stay together, so its session fixtures are built once)
+TEST_WORKERS ?= 2
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
 .PHONY: demo test lint format install
@@ -21,7 +23,7 @@ demo: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(VENV)/bin/ruff check .

