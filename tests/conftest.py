@@ -101,6 +101,13 @@ TINY_CONFIGS = {
 }
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with slow tests first: under make test's workers (--dist loadfile) the longest files then start at
+    once instead of last, while the other worker waits for them."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each group stays
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test taking `tiny_arch` runs for every family in TINY_CONFIGS, so a family added there is tested there."""
     if "tiny_arch" in metafunc.fixturenames:
