@@ -14,6 +14,7 @@ from .backends.torch import TorchExecutor
 from .backends.torch.executor import DEFAULT_BLOCK_SIZE
 from .errors import ArgumentError, LlmlowerError
 from .frontend import LoadedModel, capture, load, resolve_model
+from .frontend.calibration import calibration_ids
 from .ir import Program
 from .passes import DEFAULT_PIPELINE, run_pipeline, with_kv_layout
 from .passes.manager import PassSpec
@@ -23,7 +24,7 @@ from .runtime.artifact import MANIFEST, check_output, draft_dir_name, draft_key,
 from .runtime.backends import BACKENDS, get_backend, load_symbol
 from .runtime.block_manager import kv_pool_blocks
 from .runtime.perplexity import PerplexityResult, check_window, perplexity
-from .step_io import KVLayout
+from .step_io import KV_CACHE_DTYPES, KVLayout
 from .verify_artifact import verify_artifact
 
 
@@ -78,6 +79,22 @@ def draft_pipeline(pipeline: Sequence[PassSpec], layers: int) -> list[PassSpec]:
     while at < len(names) and names[at] in BEFORE_DRAFT:
         at += 1
     return [*pipeline[:at], ("draft_layers", {"layers": layers}), *pipeline[at:]]
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, layout: KVLayout, where: str) -> None:
+    """--kv-cache-dtype against the model's dtype and the backend's KV layout, before anything is loaded."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ArgumentError(f"--kv-cache-dtype {kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype in ("float16", "bfloat16") and kv_cache_dtype != dtype:
+        raise ArgumentError(
+            f"--kv-cache-dtype {kv_cache_dtype}: a float cache is in the model's dtype; compile with --dtype "
+            f"{kv_cache_dtype} (here {dtype})"
+        )
+    if kv_cache_dtype == "int8" and layout is not KVLayout.SLOTS:
+        raise ArgumentError(
+            f"--kv-cache-dtype int8: {where} runs a paged cache, whose kernels (ONNX Runtime's PagedAttention, "
+            "TVM's) read float pools; the per-sequence caches of --backend onnx --target cpu and of mlir take int8"
+        )
 
 
 def check_block_size(block_size: int | None) -> None:
@@ -138,6 +155,7 @@ def compile_artifact(
     verify: bool = False,
     write_extra: Callable[[Path], None] | None = None,
     draft_layers: int | Sequence[int] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> Path:
     """Compile MODEL into a deployable artifact directory at `output` (written atomically) with the onnx backend
     (`accuracy_level`: MatMulNBits', default 4), the tvm one (`cuda_arch` for cuda, e.g. sm_90; `cpu`: the
@@ -152,7 +170,10 @@ def compile_artifact(
     `draft_layers` (K, or several): also compile a self-draft for speculative decoding per K, the model's first K
     decoder layers with its final norm and LM head (the draft_layers pass, first in the same pipeline, backend,
     target, dtype and block size, so its KV layout is the target's), as a complete artifact inside the target's at
-    `output/draft-layers-K/`, listed in the target's manifest under `drafts` (runtime.artifact.draft_artifact)."""
+    `output/draft-layers-K/`, listed in the target's manifest under `drafts` (runtime.artifact.draft_artifact).
+
+    `kv_cache_dtype`: auto (the model's dtype), float16 / bfloat16 (the same, said explicitly: they need that
+    dtype), or int8 (the kv_cache_dtype pass, its scales calibrated on frontend.calibration's text; slots layout)."""
     check_output(output)  # a file or someone's directory is refused now, not replaced after compiling
     drafts = check_draft_layers(draft_layers)
     for k in drafts:
@@ -182,9 +203,13 @@ def compile_artifact(
         load_symbol(entry.check)(target, given)
     dtype = dtype or ("float16" if target == "cuda" else "float32")
     check_block_size(block_size)
+    check_kv_cache_dtype(kv_cache_dtype, dtype, layout, f"--backend {backend} --target {target}")
     pipeline = with_kv_layout(pipeline, layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
     check_draft_layers(drafts, loaded.spec.num_layers)  # before minutes of compiling
+    if kv_cache_dtype == "int8":
+        calibration = calibration_ids(tokenizer_of(loaded))
+        pipeline = [*pipeline, ("kv_cache_dtype", {"dtype": "int8", "calibration": calibration})]
     program = run_pipeline(capture(loaded), pipeline, verify=verify)
 
     def write_tokenizer(directory: Path) -> None:

@@ -17,6 +17,7 @@ from .errors import LlmlowerError
 from .runtime import EngineConfig
 from .runtime.backends import BACKENDS
 from .serve.limits import RequestLimits, limit_flags
+from .step_io import KV_CACHE_DTYPES
 
 VERIFY_HELP = (
     "check each pass numerically against the one before, then the built artifact, run by its own runtime, against "
@@ -362,6 +363,7 @@ def _compile(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         verify=args.verify,
         draft_layers=args.draft_layers,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     manifest = read_manifest(out, verify=False)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
@@ -610,6 +612,13 @@ def build_parser() -> argparse.ArgumentParser:
         "sizes and fixes a decode step unless told (batch=1,tokens=1,context=the model's)",
     )
     comp.add_argument("--block-size", type=int, help="KV block size of a paged artifact (tvm, onnx cuda; default 16)")
+    comp.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto: the model's dtype; int8: a quarter of float32's KV bytes, scales per kv head and channel "
+        "calibrated at compile time (onnx, cpu)",
+    )
     comp.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     comp.add_argument(
         "--draft-layers",

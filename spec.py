@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # the dtypes a model is loaded and compiled in
+CACHE_DTYPE_BYTES = {**DTYPE_BYTES, "int8": 1}  # and those its KV cache is kept in
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class ModelSpec:
     def kv_bytes_per_token(self, dtype: str | None = None) -> int:
         """Bytes one token adds to the KV cache: the layers' `kv_widths` x element size once the cache is laid
         out, else 2 (k and v) x layers x kv_heads x head_dim x element size (the config's)."""
-        element = DTYPE_BYTES[dtype or self.dtype]
+        element = CACHE_DTYPE_BYTES[dtype or self.dtype]
         if self.kv_widths is not None:
             return sum(self.kv_widths) * element
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element

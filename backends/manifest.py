@@ -6,7 +6,7 @@ from typing import Any
 
 from .. import __version__
 from ..ir.program import Program
-from ..step_io import KVLayout
+from ..step_io import KVLayout, cache_layer
 
 
 def program_manifest(program: Program, backend: str, target: str) -> dict[str, Any]:
@@ -23,8 +23,10 @@ def program_manifest(program: Program, backend: str, target: str) -> dict[str, A
 
 def kv_layout_manifest(program: Program) -> dict[str, Any]:
     """The artifact's KV layout: SLOTS caches [slots, kv_heads, context, head_dim] (the block size is the
-    runtime's choice), or PAGED pools [num_blocks, block_size, kv_heads, head_dim] (fixed when compiling)."""
+    runtime's choice), or PAGED pools [num_blocks, block_size, kv_heads, head_dim] (fixed when compiling), and the
+    dtype the cache is kept in (the model's, or int8: the kv_cache_dtype pass)."""
     spec = program.spec
+    cache_dtypes = {t.dtype for t in program.inputs if cache_layer(t.name) is not None}
     paged = program.kv_layout is KVLayout.PAGED
     layout = {
         "kind": program.kv_layout.value,
@@ -34,6 +36,7 @@ def kv_layout_manifest(program: Program) -> dict[str, Any]:
         "layers": spec.num_layers,
         "kv_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
+        "dtype": cache_dtypes.pop() if len(cache_dtypes) == 1 else spec.dtype,
     }
     if paged:
         layout["block_size"] = program.block_size

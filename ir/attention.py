@@ -15,6 +15,11 @@ head, that take a share of the softmax (gpt-oss); values may have a head size of
 out then end in it; DeepSeek's MLA), `scale` is whatever the model scales q·k by, and `alibi_slopes` [heads]
 add slope_h * (key position - query position) to head h's logits (ALiBi: Bloom, MPT, Falcon with alibi; the
 models write slope_h * key position, which is the same softmax, as it shifts each row by a constant).
+
+An int8 cache (the kv_cache_dtype pass) comes with `k_scale` and `v_scale` [1, kv_heads, 1, head_dim], float32:
+the new keys and values are written as round(x / scale) clamped to [-128, 127], and the cache is read as
+int8 * scale (one scale per kv head and channel, fixed at compile time; ONNX Runtime's GroupQueryAttention
+PER_CHANNEL quantization).
 """
 
 from __future__ import annotations
@@ -76,6 +81,18 @@ def attend(
     return torch.matmul(weights.to(v.dtype), v)
 
 
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x as the cache stores it: itself, or int8 steps of `scale` (rounded, saturated to int8's range)."""
+    if scale is None:
+        return x
+    return torch.clamp(torch.round(x.float() / scale), -128, 127).to(torch.int8)
+
+
+def dequantize_kv(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's values in `dtype`: itself, or its int8 steps times `scale`."""
+    return cache if scale is None else (cache.float() * scale).to(dtype)
+
+
 def _take_tokens(x: torch.Tensor, index: torch.Tensor, context: int) -> torch.Tensor:
     """[batch, kv_heads, context, head_dim]: token index[b * context + j] of x (its tokens flattened over rows)."""
     batch, kv_heads, tokens, head_dim = x.shape  # (head_dim: k's or v's own)
@@ -96,6 +113,8 @@ def attention_reference(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, context = q.shape[2], k_cache.shape[2]
     totals = past_lens + input_lens
@@ -109,13 +128,14 @@ def attention_reference(
     written = ((source >= 0) & (source < input_lens[:, None]))[:, None, :, None]
     rows = torch.arange(q.shape[0], device=q.device)[:, None] * tokens  # the new tokens of all rows, flattened:
     index = (rows + source.clamp(0, tokens - 1)).flatten()  # a [batch * context] index (a small constant if static)
-    k_cache = torch.where(written, _take_tokens(k, index, context), k_cache)
-    v_cache = torch.where(written, _take_tokens(v, index, context), v_cache)
+    k_cache = torch.where(written, _take_tokens(quantize_kv(k, k_scale), index, context), k_cache)
+    v_cache = torch.where(written, _take_tokens(quantize_kv(v, v_scale), index, context), v_cache)
 
     positions = past_lens[:, None] + torch.arange(tokens, device=q.device)  # [batch, tokens]
     allowed = visible(keys, positions[:, :, None], window) & (keys < totals[:, None, None])  # [batch, tokens, ctx]
     bias = alibi_bias(alibi_slopes, keys, positions[:, :, None])
-    out = attend(q, k_cache, v_cache, allowed[:, None], scale, softcap, sinks, bias)
+    keys_read, values_read = dequantize_kv(k_cache, k_scale, q.dtype), dequantize_kv(v_cache, v_scale, q.dtype)
+    out = attend(q, keys_read, values_read, allowed[:, None], scale, softcap, sinks, bias)
     return out, k_cache, v_cache
 
 
@@ -124,8 +144,9 @@ attention = torch.library.custom_op(f"{NAMESPACE}::attention", attention_referen
 
 @attention.register_fake
 def _attention_fake(
-    q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window=0, softcap=0.0, sinks=None, alibi_slopes=None
-):
+    q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window=0, softcap=0.0, sinks=None, alibi_slopes=None,
+    k_scale=None, v_scale=None,
+):  # fmt: skip
     return q.new_empty((*q.shape[:3], v.shape[-1])), torch.empty_like(k_cache), torch.empty_like(v_cache)
 
 
@@ -140,17 +161,19 @@ def attention_cost(
     value_head_dim: int | None = None,
     softcap: bool = False,
     alibi: bool = False,
+    cache_element_bytes: int | None = None,
 ) -> Cost:
     """QK^T (head_dim) and PV (value_head_dim, head_dim unless given) over `context` keys per query (the full
     matrix, masked or not; softcap adds a divide, tanh and multiply per logit, ALiBi a subtract, multiply and
     add); reads q and the new k/v, writes the output; reads the kv-heads cache's `context` positions once and
-    writes the new k/v into it."""
+    writes the new k/v into it, in the cache's element size (the activations' unless given: an int8 cache's 1)."""
     dims = head_dim + (value_head_dim or head_dim)  # a key's and a value's elements
     logits = batch * heads * tokens * context
     flops = 2 * logits * dims + (3 * logits if softcap else 0) + (3 * logits if alibi else 0)
     activations = batch * tokens * heads * dims + batch * tokens * kv_heads * dims
-    cache_reads = element_bytes * batch * kv_heads * context * dims
-    cache_writes = element_bytes * batch * tokens * kv_heads * dims
+    cache_bytes = cache_element_bytes or element_bytes
+    cache_reads = cache_bytes * batch * kv_heads * context * dims
+    cache_writes = cache_bytes * batch * tokens * kv_heads * dims
     return Cost(
         flops=flops,
         bytes=element_bytes * activations + cache_reads + cache_writes,

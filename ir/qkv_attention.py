@@ -2,7 +2,8 @@
 
 qkv is [batch, tokens, (heads + kv_heads) * dk + kv_heads * dv], the output of one projection (q, then k, then
 v; dk and dv the caches' head sizes); the op returns (out [batch, tokens, heads * dv], updated k_cache,
-updated v_cache), the layout the output projection reads. softcap, sinks and alibi_slopes are `attention`'s. New
+updated v_cache), the layout the output projection reads. softcap, sinks, alibi_slopes and an int8 cache's
+k_scale / v_scale are `attention`'s. New
 token t of sequence b is rotated for position past_lens[b] + t with the rows of cos_table / sin_table [positions,
 head_dim / 2] (rotate_half layout: both halves of a head share them). This is what ONNX Runtime's
 GroupQueryAttention (packed qkv, do_rotary) and TVM's paged KV cache (attention with fused qkv) compute in one
@@ -45,6 +46,8 @@ def qkv_attention_reference(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, tokens, _ = qkv.shape
     q, k, v = split_heads(qkv, heads, kv_heads, k_cache.shape[-1], v_cache.shape[-1])
@@ -53,7 +56,7 @@ def qkv_attention_reference(
     cos, sin = (torch.cat((t[positions], t[positions]), dim=-1)[:, None] for t in (cos_table, sin_table))
     q, k = torch.ops.llmlower.rope(q, cos, sin), torch.ops.llmlower.rope(k, cos, sin)
     out, k_cache, v_cache = torch.ops.llmlower.attention(
-        q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks, alibi_slopes
+        q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks, alibi_slopes, k_scale, v_scale
     )
     return out.transpose(1, 2).reshape(batch, tokens, -1), k_cache, v_cache
 
@@ -77,6 +80,8 @@ def _qkv_attention_fake(
     softcap=0.0,
     sinks=None,
     alibi_slopes=None,
+    k_scale=None,
+    v_scale=None,
 ):
     out = qkv.new_empty((qkv.shape[0], qkv.shape[1], heads * v_cache.shape[-1]))
     return out, torch.empty_like(k_cache), torch.empty_like(v_cache)
@@ -93,12 +98,14 @@ def qkv_attention_cost(
     value_head_dim: int | None = None,
     softcap: bool = False,
     alibi: bool = False,
+    cache_element_bytes: int | None = None,
 ) -> Cost:
     """`attention` plus rotating the new q and k."""
     rotated = batch * tokens * (heads + kv_heads) * head_dim
     attention = attention_cost(
-        batch, tokens, heads, kv_heads, head_dim, context, element_bytes, value_head_dim, softcap, alibi
-    )
+        batch, tokens, heads, kv_heads, head_dim, context, element_bytes, value_head_dim, softcap, alibi,
+        cache_element_bytes,
+    )  # fmt: skip
     return attention + rope_cost(rotated, element_bytes)
 
 

@@ -120,10 +120,17 @@ def _latent_attention(args: list[Any]) -> dict[str, int]:
     )
 
 
+def _cache_extent(activations: Any, k_cache: Any) -> dict[str, int]:
+    """An attention's context and element sizes: its activations', and its cache's (int8: kv_cache_dtype)."""
+    return dict(
+        context=k_cache.shape[2], element_bytes=activations.element_size(), cache_element_bytes=k_cache.element_size()
+    )
+
+
 # The llm op set: each op's cost-formula arguments from its call's argument values.
 OP_ARGUMENTS: dict[str, Callable[[list[Any]], dict[str, int]]] = {
-    "attention": lambda a: {**_attention(a), "context": a[3].shape[2], "element_bytes": a[0].element_size()},
-    "qkv_attention": lambda a: {**_qkv_attention(a), "context": a[1].shape[2], "element_bytes": a[0].element_size()},
+    "attention": lambda a: {**_attention(a), **_cache_extent(a[0], a[3])},
+    "qkv_attention": lambda a: {**_qkv_attention(a), **_cache_extent(a[0], a[1])},
     "latent_attention": _latent_attention,
     "rms_norm": lambda a: dict(rows=_rows(a[0]), hidden=a[0].shape[-1], element_bytes=a[0].element_size()),
     "add_rms_norm": lambda a: dict(rows=_rows(a[0]), hidden=a[0].shape[-1], element_bytes=a[0].element_size()),

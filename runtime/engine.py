@@ -256,7 +256,7 @@ class Engine:
             )
         block_size = compiled_block_size or config.block_size or 16
         num_blocks = kv_pool_blocks(
-            spec.kv_bytes_per_token(manifest["dtype"]),
+            spec.kv_bytes_per_token(manifest["kv_layout"].get("dtype", manifest["dtype"])),
             block_size,
             config.max_num_seqs,
             context,

@@ -54,18 +54,19 @@ def _sequence_lengths(past_lens, input_lens):
 
 def attention(
     q, k, v, k_cache, v_cache, past_lens, input_lens, scale: float, window: int = 0, softcap: float = 0.0, sinks=None,
-    alibi_slopes=None,
+    alibi_slopes=None, k_scale=None, v_scale=None,
 ):  # fmt: skip
     """GroupQueryAttention over the kv-heads cache. It takes right-padded prompts with no past, or steps
     in which every sequence brings the same number of tokens (decode). Values with a head size of their own,
-    which GroupQueryAttention refuses, take the standard-op decomposition instead. ALiBi is its attention_bias."""
+    which GroupQueryAttention refuses, take the standard-op decomposition instead. ALiBi is its attention_bias; an
+    int8 cache is its PER_CHANNEL quantization."""
     heads, head_dim = q.shape[1], q.shape[3]
     if v.shape[3] != head_dim:
         return _decomposed_attention(
             q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks, alibi_slopes
         )
     bias = _total_alibi(alibi_slopes, past_lens, input_lens, _arange(q, 2), q)
-    tail, softcapping = attention_extras(7, softcap, sinks, q, bias)
+    tail, attributes = attention_extras(7, softcap, sinks, q, bias, k_scale, v_scale)
     out, k_present, v_present = MSFT.GroupQueryAttention(
         _heads_first_to_packed(q),
         _heads_first_to_packed(k),
@@ -78,7 +79,7 @@ def attention(
         kv_num_heads=k.shape[1],
         scale=scale,
         local_window_size=window if window > 0 else -1,
-        **softcapping,
+        **attributes,
     )
     batch_tokens = op.Shape(out, start=0, end=2)
     shape = op.Concat(batch_tokens, op.Constant(value_ints=[heads, head_dim]), axis=0)
@@ -228,11 +229,13 @@ def qkv_attention(
     softcap: float = 0.0,
     sinks=None,
     alibi_slopes=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """One GroupQueryAttention on the packed projection, rotating q and k itself (do_rotary): it derives each
     token's position from the sequence lengths as the op does (past_lens + t)."""
     bias = _total_alibi(alibi_slopes, past_lens, input_lens, _arange(qkv, 1), qkv)
-    tail, softcapping = attention_extras(9, softcap, sinks, qkv, bias)
+    tail, attributes = attention_extras(9, softcap, sinks, qkv, bias, k_scale, v_scale)
     return MSFT.GroupQueryAttention(
         qkv,
         None,
@@ -248,7 +251,7 @@ def qkv_attention(
         scale=scale,
         local_window_size=window if window > 0 else -1,
         do_rotary=1,
-        **softcapping,
+        **attributes,
     )
 
 

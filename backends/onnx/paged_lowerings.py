@@ -21,6 +21,7 @@ MSFT = onnxscript.values.Opset("com.microsoft", 1)
 INT32 = onnxscript.onnx_types.INT32.dtype
 ATTENTION_BIAS = 10  # GroupQueryAttention's input index of the additive logits [batch, heads, tokens, total]
 HEAD_SINK = 11  # GroupQueryAttention's and PagedAttention's input index of the per-head sink logits
+K_SCALE, V_SCALE = 12, 13  # GroupQueryAttention's input indices of an int8 cache's scales
 PAGED_DTYPES = ("float16",)  # PagedAttention also takes bfloat16; llmlower's CUDA executor keeps float16 pools
 
 ensure_schema("com.microsoft", "PagedAttention", outputs=3)  # output, key_cache_out, value_cache_out
@@ -32,15 +33,26 @@ def _sequence_metadata(block_tables, past_lens, input_lens):
     return op.Cast(cumulative, to=INT32), op.Cast(past_lens, to=INT32), op.Cast(block_tables, to=INT32)
 
 
-def attention_extras(given: int, softcap: float, sinks, like, bias=None) -> tuple[list, dict]:
+def attention_extras(
+    given: int, softcap: float, sinks, like, bias=None, k_scale=None, v_scale=None
+) -> tuple[list, dict]:
     """The inputs after the `given` first ones up to the last extra given: `bias` as GroupQueryAttention's
-    attention_bias (input 10; PagedAttention's input 10 is slot_mapping, and it takes no bias) and the sinks as
-    head_sink (input 11 of both, in the activations' type); and the softcap attribute. Nothing for extras that are
-    off, so that a model without them gets the node it always had. onnxruntime 1.31's CPU GroupQueryAttention
-    takes all three (tests/test_eager_attention.py, tests/test_alibi.py)."""
-    extras = {ATTENTION_BIAS: bias, HEAD_SINK: None if sinks is None else op.CastLike(sinks, like)}
+    attention_bias (input 10; PagedAttention's input 10 is slot_mapping, and it takes no bias), the sinks as
+    head_sink (input 11 of both, in the activations' type) and an int8 cache's scales (GroupQueryAttention's
+    k_scale / v_scale, PER_CHANNEL); and the attributes: softcap, the caches' quantization. Nothing for extras that
+    are off, so that a model without them gets the node it always had. onnxruntime 1.31's CPU GroupQueryAttention
+    takes them all (tests/test_eager_attention.py, tests/test_alibi.py, tests/test_kv_cache_dtype.py)."""
+    extras = {
+        ATTENTION_BIAS: bias,
+        HEAD_SINK: None if sinks is None else op.CastLike(sinks, like),
+        K_SCALE: k_scale,
+        V_SCALE: v_scale,
+    }
     last = max((index for index, value in extras.items() if value is not None), default=given - 1)
-    return [extras.get(index) for index in range(given, last + 1)], {"softcap": float(softcap)} if softcap else {}
+    attributes: dict = {"softcap": float(softcap)} if softcap else {}
+    if k_scale is not None:
+        attributes.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+    return [extras.get(index) for index in range(given, last + 1)], attributes
 
 
 def _window(window: int) -> int:

@@ -34,7 +34,7 @@ from ..executor import (
 )
 from ..weights import ARTIFACT_WEIGHTS, WeightSource
 
-DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
 OPTIMIZATION_LEVELS = {
     "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,

@@ -1,0 +1,135 @@
+"""The int8 KV cache against the float one, on the example model (or --model): quality and speed in one run.
+
+Quality: sliding-window perplexity at a 2,048-token window (--window) of a text the scales were not calibrated
+on (tests/data/perplexity.txt by default), for the float cache and the int8 cache at each --headroom.
+Speed: --streams sequences of --context prompt tokens each, all admitted at once; after every prompt is
+prefilled, the decode steps of --new-tokens tokens each are timed (output tokens/s, median of --repeats).
+Each row names its KV bytes per token. ONNX CPU artifacts (the per-sequence cache: GroupQueryAttention),
+compiled once into --artifacts and reused.
+
+    .venv/bin/python benchmarks/kv_cache.py [--model example] [--quant q4mix] [--window 2048]
+        [--headroom 1.0,1.25,1.5] [--streams 16] [--context 2048] [--new-tokens 32] [--repeats 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from shaped_speed import machine
+
+from llmlower.api import compile_artifact, text_perplexity, tokenizer_of
+from llmlower.frontend import load, resolve_model
+from llmlower.frontend.calibration import calibration_ids
+from llmlower.frontend.example import cache_dir
+from llmlower.passes import build_pipeline
+from llmlower.roofline import machine_ceilings
+from llmlower.runtime import Engine, SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compiled(model: str, quant: str, headroom: float | None, directory: Path, rebuild: bool) -> Path:
+    """MODEL compiled for the ONNX CPU backend with every position's logits (perplexity needs them), with the
+    float cache (headroom None) or the int8 one at `headroom`; reused when present."""
+    name = f"{quant}-{'float' if headroom is None else f'int8-h{headroom:g}'}"
+    out = directory / name
+    if (out / "manifest.json").exists() and not rebuild:
+        return out
+    pipeline = build_pipeline(quant=quant, all_logits=True)
+    if headroom is not None:
+        ids = calibration_ids(tokenizer_of(load(resolve_model(model))))
+        pipeline.append(("kv_cache_dtype", {"calibration": ids, "headroom": headroom}))
+    print(f"[kv_cache] compiling {name} into {out}", file=sys.stderr)
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    return compile_artifact(model, out, pipeline)
+
+
+def decode_speed(artifact: Path, streams: int, context: int, new_tokens: int, threads: int) -> float:
+    """Output tokens/s of the decode steps once `streams` prompts of `context` tokens are all prefilled."""
+    engine = Engine.load(artifact, max_context=context + new_tokens, max_num_seqs=streams, threads=threads)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for _ in range(streams):
+        engine.add_request(rng.integers(5, engine.spec.vocab_size, context).tolist(), params)
+    started, generated = None, 0
+    while engine.has_unfinished():
+        deltas = engine.step()
+        if started is None:
+            if engine.stats().waiting == 0 and len(deltas) == streams:
+                started = time.perf_counter()  # every stream has its first token: the prompts are done
+            continue
+        generated += len(deltas)
+    return generated / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="example")
+    parser.add_argument("--quant", default="q4mix", help="weights (default q4mix, the recommended pipeline)")
+    parser.add_argument("--text", type=Path, default=ROOT / "tests" / "data" / "perplexity.txt")
+    parser.add_argument("--window", type=int, default=2048)
+    parser.add_argument("--headroom", default="1.0,1.25,1.5", help="int8 variants: calibrated peak x headroom")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--context", type=int, default=2048, help="prompt tokens of each stream")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--artifacts", type=Path, default=cache_dir() / "bench" / "kv_cache")
+    parser.add_argument("--rebuild", action="store_true")
+    parser.add_argument("--no-speed", action="store_true", help="perplexity only")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+
+    text = args.text.read_text(encoding="utf-8")
+    variants = [None, *(float(h) for h in args.headroom.split(","))]
+    artifacts = {h: compiled(args.model, args.quant, h, args.artifacts, args.rebuild) for h in variants}
+    rows = []
+    for headroom, artifact in artifacts.items():
+        result, _ = text_perplexity(artifact, text, [], window=args.window)
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        spec = manifest["spec"]
+        kv_dtype = manifest["kv_layout"].get("dtype", manifest["dtype"])
+        per_token = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * np.dtype(kv_dtype).itemsize
+        row = {
+            "cache": "float32" if headroom is None else f"int8 (headroom {headroom:g})",
+            "kv_bytes_per_token": int(per_token),
+            "perplexity": result.perplexity,
+            "tokens_scored": result.tokens,
+        }
+        if not args.no_speed and (headroom is None or headroom == variants[-1]):
+            speeds = [
+                decode_speed(artifact, args.streams, args.context, args.new_tokens, args.threads)
+                for _ in range(args.repeats)
+            ]
+            row["decode_tokens_per_s"] = statistics.median(speeds)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    base = rows[0]["perplexity"]
+    print(
+        f"{args.model} {args.quant}, ONNX CPU, {args.threads} threads; {machine(machine_ceilings('cpu'))}; perplexity "
+        f"of {args.text.name} at a {args.window}-token window; decode of {args.streams} streams after prompts of "
+        f"{args.context} tokens, {args.new_tokens} new tokens each"
+    )
+    print("| cache | KV bytes/token | perplexity | vs float | 16-stream decode tok/s |")
+    print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        speed = f"{row['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in row else "–"
+        change = 100 * (row["perplexity"] / base - 1)
+        print(
+            f"| {row['cache']} | {row['kv_bytes_per_token']:,} | {row['perplexity']:.4f} | {change:+.2f}% | {speed} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""kv_cache_dtype: keep the KV cache in int8, with one scale per kv head and channel fixed at compile time.
+
+The pass runs the program once on calibration tokens (a prompt of real text, tokenized by the caller) with an
+empty float cache, takes each layer's largest |key| and |value| per kv head and channel over those tokens from
+the caches it returns (keys as the cache holds them: after the rotary embedding), and makes that the top of the
+int8 range (scale = max / 127). The caches become int8 inputs and outputs, and each attention gets its layer's
+k_scale / v_scale [1, kv_heads, 1, head_dim] (ir/attention.py: written as round(x / scale), read as int8 * scale;
+ONNX Runtime's GroupQueryAttention takes exactly this, PER_CHANNEL). A quarter of a float32 cache's bytes, half
+of a float16 one's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..errors import PassError
+from ..ir.attention import ATTENTION, quantize_kv
+from ..ir.program import (
+    INPUT_IDS,
+    INPUT_LENS,
+    LOGITS,
+    LOGITS_INDICES,
+    PAST_LENS,
+    POSITION_IDS,
+    Program,
+    example_inputs,
+)
+from ..ir.qkv_attention import QKV_ATTENTION
+from ..ir.rope import ROPE
+from ..step_io import KVLayout, cache_layer
+from .registry import Pass, Tensors, Verification, register_pass
+
+INT8_MAX = 127
+HEADROOM = 1.25  # the calibrated peak sits at 127 / 1.25: keys a bit beyond it (another text) are not clipped
+CACHE_ARGUMENTS = {ATTENTION.overload: (3, 4), QKV_ATTENTION.overload: (1, 2)}  # k_cache, v_cache positions
+
+
+def calibration_inputs(program: Program, ids: list[int]) -> dict[str, torch.Tensor]:
+    """One sequence of `ids` as a whole prompt, with empty float caches of exactly its length."""
+    tokens = len(ids)
+    values = {
+        INPUT_IDS: torch.tensor([ids]),
+        POSITION_IDS: torch.arange(tokens)[None],
+        PAST_LENS: torch.zeros(1, dtype=torch.int64),
+        INPUT_LENS: torch.tensor([tokens]),
+        LOGITS_INDICES: torch.tensor([tokens - 1]),
+    }
+    for spec in program.inputs:
+        if cache_layer(spec.name) is not None:
+            shape = [1 if d == "batch" else tokens if d == "context" else d for d in spec.shape]
+            values[spec.name] = torch.zeros(shape, dtype=getattr(torch, spec.dtype))
+    return {name: values[name] for name in program.input_names}
+
+
+def peaks(cache: torch.Tensor, rotated: bool) -> torch.Tensor:
+    """[1, kv_heads, 1, head_dim]: the largest |value| of each head and channel over the cached tokens. For rotated
+    keys, each rotate_half pair's largest norm (both channels of the pair): a rotation moves a key's magnitude
+    between the two, so a later position can put all of it in either, which a short calibration text never shows
+    for the slow frequencies."""
+    cache = cache.float()
+    if not rotated:
+        return cache.abs().amax(dim=(0, 2), keepdim=True)
+    half = cache.shape[-1] // 2
+    norms = torch.sqrt(cache[..., :half] ** 2 + cache[..., half:] ** 2).amax(dim=(0, 2), keepdim=True)
+    return torch.cat((norms, norms), dim=-1)
+
+
+def calibrated_scales(program: Program, ids: list[int], headroom: float, rotated: set[str]) -> dict[str, torch.Tensor]:
+    """Each cache's scale [1, kv_heads, 1, head_dim]: its peaks over `ids` (those of `rotated` as rotary pairs)
+    times `headroom`, / 127 (a channel that stayed zero gets the smallest scale of its cache, so that it still holds
+    what comes later)."""
+    caches = program(**calibration_inputs(program, ids))
+    scales = {}
+    for name, cache in caches.items():
+        if cache_layer(name) is None:
+            continue
+        peak = peaks(cache, name in rotated)
+        floor = peak[peak > 0].min() if bool((peak > 0).any()) else torch.tensor(1.0)
+        scales[name] = torch.where(peak > 0, peak, floor) * headroom / INT8_MAX
+    return scales
+
+
+def _rotated_keys(node: torch.fx.Node) -> bool:
+    """Whether an attention's keys reach the cache rotated over the whole head (rotate_half): qkv_attention rotates
+    them itself; attention's may come straight from a rope."""
+    if node.target is QKV_ATTENTION.overload:
+        return True
+    keys = node.args[1]
+    return isinstance(keys, torch.fx.Node) and keys.op == "call_function" and keys.target is ROPE.overload
+
+
+def _attention_nodes(program: Program) -> list[torch.fx.Node]:
+    nodes = [n for n in program.graph_module.graph.nodes if n.op == "call_function" and n.target in CACHE_ARGUMENTS]
+    others = [
+        n.name
+        for n in program.graph_module.graph.nodes
+        if n.op == "call_function" and "attention" in str(n.target) and n.target not in CACHE_ARGUMENTS
+    ]
+    if others:
+        raise PassError(f"kv_cache_dtype: int8 caches are for attention and qkv_attention; {others[0]} is neither")
+    return nodes
+
+
+def kv_cache_dtype(
+    program: Program, dtype: str = "int8", calibration: list[int] = (), headroom: float = HEADROOM
+) -> tuple[Program, dict]:
+    if dtype != "int8":
+        raise PassError(f"kv_cache_dtype: dtype {dtype!r}: int8 is the quantized cache it makes")
+    if program.kv_layout is not KVLayout.SLOTS:
+        raise PassError(
+            "kv_cache_dtype: an int8 cache is for the per-sequence (slots) cache: ONNX Runtime's PagedAttention and "
+            "TVM's paged kernels read float pools (compile with --backend onnx --target cpu)"
+        )
+    if len(calibration) < 2:
+        raise PassError("kv_cache_dtype: calibration needs at least two token ids")
+    program = program.with_fresh_meta()
+    nodes = _attention_nodes(program)
+    for node in nodes:
+        k_cache, v_cache = (node.args[i] for i in CACHE_ARGUMENTS[node.target])
+        if k_cache.meta["val"].shape[-1] != v_cache.meta["val"].shape[-1]:
+            raise PassError(f"kv_cache_dtype: {node.name}'s values have a head size of their own (no int8 cache)")
+    if headroom < 1:
+        raise PassError(f"kv_cache_dtype: headroom {headroom} would clip the calibration text's own keys")
+    rotated = {node.args[CACHE_ARGUMENTS[node.target][0]].target for node in nodes if _rotated_keys(node)}
+    scales = calibrated_scales(program, list(calibration), headroom, rotated)
+    gm = program.graph_module
+    for node in nodes:
+        extras = {}
+        for kind, index in zip(("k_scale", "v_scale"), CACHE_ARGUMENTS[node.target], strict=True):
+            cache = node.args[index]
+            buffer = f"kv_{cache.target}_scale"
+            gm.register_buffer(buffer, scales[cache.target])
+            with gm.graph.inserting_before(node):
+                extras[kind] = gm.graph.get_attr(buffer)
+        node.kwargs = {**node.kwargs, **extras}
+    gm.recompile()
+    int8 = [
+        [type(t)(t.name, "int8", t.shape) if t.name in scales else t for t in specs]
+        for specs in (program.inputs, program.outputs)
+    ]
+    program = program.with_signature(*int8).reexport()
+    return program, {"int8_caches": len(scales), "calibration_tokens": len(calibration)}
+
+
+def _fresh_prompts(program: Program, options: dict[str, Any]) -> Tensors:
+    """--verify's inputs: prompts with nothing cached, so that the logits depend only on what the step writes."""
+    return example_inputs(program, batch=3, tokens=6, context=8, past_max=0, seed=1234)
+
+
+def _logits_of_int8(program: Program, inputs: Tensors, options: dict[str, Any]) -> Tensors:
+    """The int8 program's logits on the float program's inputs (their caches quantized)."""
+    gm = program.graph_module
+    scale = {name: getattr(gm, f"kv_{name}_scale") for name in program.input_names if cache_layer(name) is not None}
+    quantized = {name: quantize_kv(v, scale[name]) if name in scale else v for name, v in inputs.items()}
+    return {LOGITS: program(**quantized)[LOGITS]}
+
+
+register_pass(
+    Pass(
+        name="kv_cache_dtype",
+        summary="an int8 KV cache, one scale per kv head and channel calibrated at compile time",
+        explain=(
+            "Runs the program once on calibration tokens with an empty cache, takes each layer's largest |key| and "
+            "|value| per kv head and channel, and gives every attention (or qkv_attention) its layer's k_scale and "
+            "v_scale: new keys and values are stored as int8 steps of the scale, the cache is read as int8 * "
+            "scale. The caches become int8 inputs and outputs: a quarter of float32's bytes. Slots layout only; "
+            "verified on the logits of prompts."
+        ),
+        run=kv_cache_dtype,
+        tolerance=0.1,
+        verification=Verification(inputs=_fresh_prompts, run=_logits_of_int8),
+    )
+)

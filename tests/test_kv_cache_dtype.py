@@ -1,0 +1,138 @@
+"""An int8 KV cache (compile --kv-cache-dtype int8): the kv_cache_dtype pass keeps each architecture's logits
+within its tolerance, the ONNX CPU artifact holds int8 caches (a quarter of float32's bytes) and serves
+continuous batching, chunked prefill, prefix caching and speculative decoding exactly as it serves each request
+alone, and what cannot take an int8 cache is refused before anything is compiled."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from llmlower.api import compile_artifact
+from llmlower.cli import main
+from llmlower.errors import ArgumentError, PassError
+from llmlower.frontend.calibration import CALIBRATION_TEXT
+from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
+from llmlower.runtime import Engine, SamplingParams
+from llmlower.runtime.speculative import SpeculativeConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+CONTEXT = 128
+PROMPT_LENGTHS = [5, 40, 9, 23, 3, 31, 14, 7]
+ARRIVALS = [0, 0, 1, 2, 3, 5, 6, 8]
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def int8_artifact(tiny_llama, tmp_path_factory):
+    """The tiny Llama with an int8 cache and a one-layer self-draft, checked against the reference (--verify)."""
+    out = tmp_path_factory.mktemp("kv-int8") / "onnx"
+    args = ["compile", str(tiny_llama), "-o", str(out), "--kv-cache-dtype", "int8", "--draft-layers", "1", "--verify"]
+    assert main(args) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(int8_artifact) -> list[list[int]]:
+    """Each prompt's greedy tokens on the int8 artifact, served alone."""
+    engine = Engine.load(int8_artifact, max_context=CONTEXT)
+    return [engine.generate([p], GREEDY, chat=False)[0].token_ids for p in _prompts(engine.spec.vocab_size)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gpt_oss", "bloom", "mistral"])
+def test_the_pass_keeps_the_logits_within_its_tolerance(arch, captures, tiny_checkpoints):
+    """--verify runs the int8 program against the float one (prompts, logits); every cache becomes int8."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoints[arch] / "tokenizer.json"))
+    calibration = tokenizer.encode(CALIBRATION_TEXT).ids[:256]
+    pipeline = [*DEFAULT_PIPELINE, ("kv_cache_dtype", {"calibration": calibration})]
+    program = run_pipeline(captures(arch), pipeline, verify=True)
+    caches = [t for t in program.inputs if t.name.startswith(("k_cache", "v_cache"))]
+    assert caches and {t.dtype for t in caches} == {"int8"}
+    assert {t.dtype for t in program.outputs if t.name in {c.name for c in caches}} == {"int8"}
+    record = program.history[-1]
+    assert record.name == "kv_cache_dtype" and record.stats["int8_caches"] == len(caches)
+    assert 0 < record.max_error <= 0.1
+
+
+def test_the_roofline_counts_a_quarter_of_the_kv_bytes(captures, tiny_checkpoints):
+    from llmlower.roofline import decode_step, step_cost
+
+    calibration = list(range(5, 200))
+    float_cache = run_pipeline(captures("llama"), DEFAULT_PIPELINE)
+    int8_cache = run_pipeline(captures("llama"), [*DEFAULT_PIPELINE, ("kv_cache_dtype", {"calibration": calibration})])
+    step = decode_step(batch=16, context=100)
+    read = [step_cost(p, step).total.kv_read_bytes for p in (float_cache, int8_cache)]
+    assert read[1] * 4 == read[0] > 0
+
+
+def test_the_artifact_keeps_int8_caches_a_quarter_of_float32s_bytes(int8_artifact):
+    manifest = json.loads((int8_artifact / "manifest.json").read_text())
+    assert manifest["kv_layout"]["dtype"] == "int8"
+    assert [step["name"] for step in manifest["pipeline"]][-1] == "kv_cache_dtype"
+    engine = Engine.load(int8_artifact, max_context=CONTEXT, max_num_seqs=2)
+    caches = engine.executor.caches
+    assert {c.dtype for c in caches.values()} == {np.dtype(np.int8)}
+    spec = engine.spec
+    per_token = sum(c.shape[1] * c.shape[3] for c in caches.values())  # kv heads x head size, k and v, per layer
+    assert per_token == spec.kv_bytes_per_token("int8") == spec.kv_bytes_per_token("float32") // 4
+
+
+def test_requests_arriving_under_a_small_pool_get_their_tokens_alone(int8_artifact, alone, serve):
+    """Three slots, 16 tokens per step: prompts are prefilled in chunks beside the decodes of others."""
+    engine = Engine.load(
+        int8_artifact, max_context=CONTEXT, num_blocks=3 * CONTEXT // 16, max_num_batched_tokens=16, max_num_seqs=8
+    )
+    assert [r.token_ids for r in serve(engine, _prompts(engine.spec.vocab_size), ARRIVALS, GREEDY)] == alone
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_cached_prefix_gives_the_tokens_of_a_fresh_prefill(int8_artifact, alone):
+    engine = Engine.load(int8_artifact, max_context=CONTEXT)
+    prompt = _prompts(engine.spec.vocab_size)[1]  # 40 tokens: two full blocks of 16 are cached
+    first = engine.generate([prompt], GREEDY, chat=False)[0]
+    again = engine.generate([prompt], GREEDY, chat=False)[0]
+    assert again.usage.cached_tokens == 32
+    assert first.token_ids == again.token_ids == alone[1]
+
+
+@pytest.mark.parametrize("method", ["ngram", "self:1"])
+def test_speculative_decoding_gives_the_tokens_of_plain_decoding(int8_artifact, alone, method):
+    config = SpeculativeConfig.parse(method, 3)
+    engine = Engine.load(int8_artifact, max_context=CONTEXT, max_num_seqs=8, speculative=config)
+    results = engine.generate(_prompts(engine.spec.vocab_size), GREEDY, chat=False)
+    assert [r.token_ids for r in results] == alone
+    assert engine.stats().speculation.accepted > 0
+
+
+def test_the_mlir_artifact_holds_the_same_int8_cache(int8_artifact, tiny_llama, tmp_path):
+    """The same pass through torch-mlir's linalg JIT: verified against the reference, same greedy tokens."""
+    mlir = compile_artifact(tiny_llama, tmp_path / "mlir", backend="mlir", kv_cache_dtype="int8", verify=True)
+    prompt = _prompts(256)[3]
+    tokens = [
+        Engine.load(a, max_context=CONTEXT).generate([prompt], GREEDY, chat=False)[0].token_ids
+        for a in (mlir, int8_artifact)
+    ]
+    assert tokens[0] == tokens[1]
+    assert json.loads((mlir / "manifest.json").read_text())["kv_layout"]["dtype"] == "int8"
+
+
+def test_what_cannot_take_an_int8_cache_is_refused_before_compiling(tiny_llama, tiny_checkpoints, tmp_path, capsys):
+    with pytest.raises(ArgumentError, match="--kv-cache-dtype int8: --backend tvm --target cpu runs a paged cache"):
+        compile_artifact(tiny_llama, tmp_path / "tvm", backend="tvm", kv_cache_dtype="int8")
+    with pytest.raises(ArgumentError, match="compile with --dtype float16"):
+        compile_artifact(tiny_llama, tmp_path / "f16", kv_cache_dtype="float16")
+    with pytest.raises(PassError, match="values have a head size of their own"):
+        compile_artifact(tiny_checkpoints["deepseek_v3"], tmp_path / "mla", kv_cache_dtype="int8")
+    with pytest.raises(SystemExit):
+        main(["compile", str(tiny_llama), "-o", str(tmp_path / "int4"), "--kv-cache-dtype", "int4"])
+    assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
