@@ -54,21 +54,25 @@ def compiled(model: str, quant: str, headroom: float | None, directory: Path, re
 
 
 def decode_speed(artifact: Path, streams: int, context: int, new_tokens: int, threads: int) -> float:
-    """Output tokens/s of the decode steps once `streams` prompts of `context` tokens are all prefilled."""
-    engine = Engine.load(artifact, max_context=context + new_tokens, max_num_seqs=streams, threads=threads)
+    """Output tokens/s of the steps that decode all `streams` sequences and nothing else, once their prompts of
+    `context` tokens are prefilled (one prompt per step; each sequence runs long enough for `new_tokens` such
+    steps)."""
+    total = streams + new_tokens  # the first sequence decodes while the later prompts are prefilled
+    engine = Engine.load(
+        artifact, max_context=context + total, max_num_seqs=streams, max_num_batched_tokens=context, threads=threads
+    )
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)
     for _ in range(streams):
         engine.add_request(rng.integers(5, engine.spec.vocab_size, context).tolist(), params)
-    started, generated = None, 0
+    tokens, seconds, all_decoding = 0, 0.0, False
     while engine.has_unfinished():
+        started = time.perf_counter()
         deltas = engine.step()
-        if started is None:
-            if engine.stats().waiting == 0 and len(deltas) == streams:
-                started = time.perf_counter()  # every stream has its first token: the prompts are done
-            continue
-        generated += len(deltas)
-    return generated / (time.perf_counter() - started)
+        if all_decoding and len(deltas) == streams:  # the step before had every prompt done: no prefill in this one
+            tokens, seconds = tokens + streams, seconds + time.perf_counter() - started
+        all_decoding = len(deltas) == streams
+    return tokens / seconds
 
 
 def main() -> None:
