@@ -81,8 +81,8 @@ def draft_pipeline(pipeline: Sequence[PassSpec], layers: int) -> list[PassSpec]:
     return [*pipeline[:at], ("draft_layers", {"layers": layers}), *pipeline[at:]]
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, layout: KVLayout, where: str) -> None:
-    """--kv-cache-dtype against the model's dtype and the backend's KV layout, before anything is loaded."""
+def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, backend: str, target: str) -> None:
+    """--kv-cache-dtype against the model's dtype and what the backend's kernels take, before anything is loaded."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ArgumentError(f"--kv-cache-dtype {kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}")
     if kv_cache_dtype in ("float16", "bfloat16") and kv_cache_dtype != dtype:
@@ -90,10 +90,11 @@ def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, layout: KVLayout, wher
             f"--kv-cache-dtype {kv_cache_dtype}: a float cache is in the model's dtype; compile with --dtype "
             f"{kv_cache_dtype} (here {dtype})"
         )
-    if kv_cache_dtype == "int8" and layout is not KVLayout.SLOTS:
+    if kv_cache_dtype == "int8" and target not in get_backend(backend).int8_kv_targets:
+        takers = [f"{b.name} ({', '.join(b.int8_kv_targets)})" for b in BACKENDS.values() if b.int8_kv_targets]
         raise ArgumentError(
-            f"--kv-cache-dtype int8: {where} runs a paged cache, whose kernels (ONNX Runtime's PagedAttention, "
-            "TVM's) read float pools; the per-sequence caches of --backend onnx --target cpu and of mlir take int8"
+            f"--kv-cache-dtype int8: the attention kernels of --backend {backend} --target {target} read float "
+            f"caches; these take int8: {', '.join(takers)}"
         )
 
 
@@ -173,7 +174,8 @@ def compile_artifact(
     `output/draft-layers-K/`, listed in the target's manifest under `drafts` (runtime.artifact.draft_artifact).
 
     `kv_cache_dtype`: auto (the model's dtype), float16 / bfloat16 (the same, said explicitly: they need that
-    dtype), or int8 (the kv_cache_dtype pass, its scales calibrated on frontend.calibration's text; slots layout)."""
+    dtype), or int8 (the kv_cache_dtype pass, its scales calibrated on frontend.calibration's text; the backends'
+    int8_kv_targets)."""
     check_output(output)  # a file or someone's directory is refused now, not replaced after compiling
     drafts = check_draft_layers(draft_layers)
     for k in drafts:
@@ -203,7 +205,7 @@ def compile_artifact(
         load_symbol(entry.check)(target, given)
     dtype = dtype or ("float16" if target == "cuda" else "float32")
     check_block_size(block_size)
-    check_kv_cache_dtype(kv_cache_dtype, dtype, layout, f"--backend {backend} --target {target}")
+    check_kv_cache_dtype(kv_cache_dtype, dtype, backend, target)
     pipeline = with_kv_layout(pipeline, layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
     check_draft_layers(drafts, loaded.spec.num_layers)  # before minutes of compiling

@@ -9,14 +9,14 @@ v_pool), each new token attending to its own sequence's positions j <= its own (
 window > 0), with `attention`'s extras (softcap, sinks, ALiBi slopes, a value head size of its own: v_pool is then
 [num_blocks, block_size, kv_heads, dv]). Sequences may share blocks (a cached prefix) and blocks may sit
 anywhere in the pool; a step never writes a block another sequence reads (the runtime's block manager copies a
-shared block first).
+shared block first). An int8 pool comes with `attention`'s k_scale / v_scale ([1, kv_heads, 1, head_dim]).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention import alibi_bias, attend, attention_cost, visible
+from .attention import alibi_bias, attend, attention_cost, dequantize_kv, quantize_kv, visible
 from .registry import NAMESPACE, OpDef, register_op
 
 
@@ -43,23 +43,29 @@ def paged_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     block_size = k_pool.shape[1]
+    k_scale, v_scale = (None if s is None else s.reshape(s.shape[1], s.shape[3]) for s in (k_scale, v_scale))
     sequence, positions = packed_positions(past_lens, input_lens)
     if positions.numel() and int(positions.max()) >= block_tables.shape[1] * block_size:
         raise ValueError(f"paged_attention: position {int(positions.max())} is beyond the sequence's block table")
     k_pool, v_pool = k_pool.clone(), v_pool.clone()
     count = len(sequence)
     blocks = block_tables[sequence, positions // block_size]
-    k_pool[blocks, positions % block_size] = k[0, :, :count].transpose(0, 1)
-    v_pool[blocks, positions % block_size] = v[0, :, :count].transpose(0, 1)
+    k_pool[blocks, positions % block_size] = quantize_kv(k[0, :, :count].transpose(0, 1), k_scale)
+    v_pool[blocks, positions % block_size] = quantize_kv(v[0, :, :count].transpose(0, 1), v_scale)
 
     out = q.new_zeros((*q.shape[:3], v.shape[-1]))
     start = 0
     for row, (past, new) in enumerate(zip(past_lens.tolist(), input_lens.tolist(), strict=True)):
         keys = torch.arange(past + new, device=q.device)
         where = block_tables[row, keys // block_size], keys % block_size
-        k_seq, v_seq = (pool[where].permute(1, 0, 2)[None] for pool in (k_pool, v_pool))  # [1, kv_heads, keys, D]
+        k_seq, v_seq = (
+            dequantize_kv(pool[where], pool_scale, q.dtype).permute(1, 0, 2)[None]  # [1, kv_heads, keys, D]
+            for pool, pool_scale in ((k_pool, k_scale), (v_pool, v_scale))
+        )
         positions = past + torch.arange(new, device=q.device)[:, None]
         allowed = visible(keys[None, :], positions, window)
         bias = alibi_bias(alibi_slopes, keys[None, :], positions)
@@ -85,6 +91,8 @@ def _paged_attention_fake(
     softcap=0.0,
     sinks=None,
     alibi_slopes=None,
+    k_scale=None,
+    v_scale=None,
 ):
     return q.new_empty((*q.shape[:3], v.shape[-1])), torch.empty_like(k_pool), torch.empty_like(v_pool)
 

@@ -32,6 +32,8 @@ def paged_qkv_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens = qkv.shape[1]
     q, k, v = split_heads(qkv, heads, kv_heads, k_pool.shape[-1], v_pool.shape[-1])
@@ -41,8 +43,9 @@ def paged_qkv_attention(
     cos, sin = (torch.cat((t[positions], t[positions]), dim=-1)[None, None] for t in (cos_table, sin_table))
     q, k = torch.ops.llmlower.rope(q, cos, sin), torch.ops.llmlower.rope(k, cos, sin)
     out, k_pool, v_pool = torch.ops.llmlower.paged_attention(
-        q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens, scale, window, softcap, sinks, alibi_slopes
-    )
+        q, k, v, k_pool, v_pool, block_tables, past_lens, input_lens, scale, window, softcap, sinks, alibi_slopes,
+        k_scale, v_scale,
+    )  # fmt: skip
     return out.transpose(1, 2).reshape(1, tokens, -1), k_pool, v_pool
 
 
@@ -63,6 +66,8 @@ def _paged_qkv_attention_fake(
     softcap=0.0,
     sinks=None,
     alibi_slopes=None,
+    k_scale=None,
+    v_scale=None,
 ):
     out = qkv.new_empty((qkv.shape[0], qkv.shape[1], heads * v_pool.shape[-1]))
     return out, torch.empty_like(k_pool), torch.empty_like(v_pool)

@@ -18,6 +18,8 @@ import torch.fx
 
 from ..errors import PassError
 from ..ir.attention import ATTENTION, quantize_kv
+from ..ir.paged_attention import PAGED_ATTENTION
+from ..ir.paged_qkv_attention import PAGED_QKV_ATTENTION
 from ..ir.program import (
     INPUT_IDS,
     INPUT_LENS,
@@ -27,32 +29,57 @@ from ..ir.program import (
     POSITION_IDS,
     Program,
     example_inputs,
+    paged_example_inputs,
 )
 from ..ir.qkv_attention import QKV_ATTENTION
 from ..ir.rope import ROPE
-from ..step_io import KVLayout, cache_layer
+from ..step_io import BLOCK_TABLES, KVLayout, cache_layer
 from .registry import Pass, Tensors, Verification, register_pass
 
 INT8_MAX = 127
 HEADROOM = 1.25  # the calibrated peak sits at 127 / 1.25: keys a bit beyond it (another text) are not clipped
-CACHE_ARGUMENTS = {ATTENTION.overload: (3, 4), QKV_ATTENTION.overload: (1, 2)}  # k_cache, v_cache positions
+# each attention's k and v cache (or pool) argument positions
+CACHE_ARGUMENTS = {
+    ATTENTION.overload: (3, 4),
+    QKV_ATTENTION.overload: (1, 2),
+    PAGED_ATTENTION.overload: (3, 4),
+    PAGED_QKV_ATTENTION.overload: (1, 2),
+}
+ROTATING = (QKV_ATTENTION.overload, PAGED_QKV_ATTENTION.overload)  # they rotate the keys they cache
 
 
 def calibration_inputs(program: Program, ids: list[int]) -> dict[str, torch.Tensor]:
-    """One sequence of `ids` as a whole prompt, with empty float caches of exactly its length."""
+    """One sequence of `ids` as a whole prompt, with empty float caches of exactly its length (PAGED: pools of
+    as many blocks, in order)."""
     tokens = len(ids)
+    paged = program.kv_layout is KVLayout.PAGED
+    blocks = -(-tokens // program.block_size) if paged else 0
     values = {
         INPUT_IDS: torch.tensor([ids]),
         POSITION_IDS: torch.arange(tokens)[None],
         PAST_LENS: torch.zeros(1, dtype=torch.int64),
         INPUT_LENS: torch.tensor([tokens]),
         LOGITS_INDICES: torch.tensor([tokens - 1]),
+        BLOCK_TABLES: torch.arange(blocks)[None],
     }
+    sizes = {"batch": 1, "context": tokens, "pool": blocks}
     for spec in program.inputs:
         if cache_layer(spec.name) is not None:
-            shape = [1 if d == "batch" else tokens if d == "context" else d for d in spec.shape]
+            shape = [sizes.get(d, d) for d in spec.shape]
             values[spec.name] = torch.zeros(shape, dtype=getattr(torch, spec.dtype))
     return {name: values[name] for name in program.input_names}
+
+
+def as_slots(cache: torch.Tensor, paged: bool, tokens: int) -> torch.Tensor:
+    """A calibration cache as [1, kv_heads, tokens, head_dim]: itself, or its pool's first `tokens` positions."""
+    if not paged:
+        return cache
+    return cache.flatten(0, 1)[:tokens].transpose(0, 1)[None]
+
+
+def layout_scale(scale: torch.Tensor, paged: bool) -> torch.Tensor:
+    """A [1, kv_heads, 1, head_dim] scale shaped to broadcast over a cache, or a pool's [.., kv_heads, head_dim]."""
+    return scale.reshape(scale.shape[1], scale.shape[3]) if paged else scale
 
 
 def peaks(cache: torch.Tensor, rotated: bool) -> torch.Tensor:
@@ -73,11 +100,12 @@ def calibrated_scales(program: Program, ids: list[int], headroom: float, rotated
     times `headroom`, / 127 (a channel that stayed zero gets the smallest scale of its cache, so that it still holds
     what comes later)."""
     caches = program(**calibration_inputs(program, ids))
+    paged = program.kv_layout is KVLayout.PAGED
     scales = {}
     for name, cache in caches.items():
         if cache_layer(name) is None:
             continue
-        peak = peaks(cache, name in rotated)
+        peak = peaks(as_slots(cache, paged, len(ids)), name in rotated)
         floor = peak[peak > 0].min() if bool((peak > 0).any()) else torch.tensor(1.0)
         scales[name] = torch.where(peak > 0, peak, floor) * headroom / INT8_MAX
     return scales
@@ -86,7 +114,7 @@ def calibrated_scales(program: Program, ids: list[int], headroom: float, rotated
 def _rotated_keys(node: torch.fx.Node) -> bool:
     """Whether an attention's keys reach the cache rotated over the whole head (rotate_half): qkv_attention rotates
     them itself; attention's may come straight from a rope."""
-    if node.target is QKV_ATTENTION.overload:
+    if node.target in ROTATING:
         return True
     keys = node.args[1]
     return isinstance(keys, torch.fx.Node) and keys.op == "call_function" and keys.target is ROPE.overload
@@ -100,7 +128,8 @@ def _attention_nodes(program: Program) -> list[torch.fx.Node]:
         if n.op == "call_function" and "attention" in str(n.target) and n.target not in CACHE_ARGUMENTS
     ]
     if others:
-        raise PassError(f"kv_cache_dtype: int8 caches are for attention and qkv_attention; {others[0]} is neither")
+        kinds = "(paged_)attention and (paged_)qkv_attention"
+        raise PassError(f"kv_cache_dtype: int8 caches are for {kinds}, not {others[0]}")
     return nodes
 
 
@@ -109,11 +138,8 @@ def kv_cache_dtype(
 ) -> tuple[Program, dict]:
     if dtype != "int8":
         raise PassError(f"kv_cache_dtype: dtype {dtype!r}: int8 is the quantized cache it makes")
-    if program.kv_layout is not KVLayout.SLOTS:
-        raise PassError(
-            "kv_cache_dtype: an int8 cache is for the per-sequence (slots) cache: ONNX Runtime's PagedAttention and "
-            "TVM's paged kernels read float pools (compile with --backend onnx --target cpu)"
-        )
+    if program.kv_layout is None:
+        raise PassError("kv_cache_dtype: run kv_cache first (it gives the program its KV cache)")
     if len(calibration) < 2:
         raise PassError("kv_cache_dtype: calibration needs at least two token ids")
     program = program.with_fresh_meta()
@@ -147,13 +173,21 @@ def kv_cache_dtype(
 
 def _fresh_prompts(program: Program, options: dict[str, Any]) -> Tensors:
     """--verify's inputs: prompts with nothing cached, so that the logits depend only on what the step writes."""
+    if program.kv_layout is KVLayout.PAGED:
+        blocks = -(-8 // program.block_size)
+        return paged_example_inputs(program, 3, 12, blocks, 3 * blocks + 2, past_max=0, seed=1234)
     return example_inputs(program, batch=3, tokens=6, context=8, past_max=0, seed=1234)
 
 
 def _logits_of_int8(program: Program, inputs: Tensors, options: dict[str, Any]) -> Tensors:
     """The int8 program's logits on the float program's inputs (their caches quantized)."""
     gm = program.graph_module
-    scale = {name: getattr(gm, f"kv_{name}_scale") for name in program.input_names if cache_layer(name) is not None}
+    paged = program.kv_layout is KVLayout.PAGED
+    scale = {
+        name: layout_scale(getattr(gm, f"kv_{name}_scale"), paged)
+        for name in program.input_names
+        if cache_layer(name) is not None
+    }
     quantized = {name: quantize_kv(v, scale[name]) if name in scale else v for name, v in inputs.items()}
     return {LOGITS: program(**quantized)[LOGITS]}
 
@@ -166,8 +200,8 @@ register_pass(
             "Runs the program once on calibration tokens with an empty cache, takes each layer's largest |key| and "
             "|value| per kv head and channel, and gives every attention (or qkv_attention) its layer's k_scale and "
             "v_scale: new keys and values are stored as int8 steps of the scale, the cache is read as int8 * "
-            "scale. The caches become int8 inputs and outputs: a quarter of float32's bytes. Slots layout only; "
-            "verified on the logits of prompts."
+            "scale. The caches (or pools) become int8 inputs and outputs: a quarter of float32's bytes. Verified on "
+            "the logits of prompts."
         ),
         run=kv_cache_dtype,
         tolerance=0.1,

@@ -44,7 +44,8 @@ class Backend:
     (build(program, directory, target=..., write_extra=..., check_staged=..., **options)); `program_executor`:
     "module:function" making an executor straight from a Program (program, max_context, num_blocks) for tests and
     the roofline; `options` and `check`: the compile options it takes and the check run on them before compiling;
-    `tolerance`: how far its artifacts' logits may be from the torch reference's (compile --verify)."""
+    `tolerance`: how far its artifacts' logits may be from the torch reference's (compile --verify);
+    `int8_kv_targets`: the targets whose attention kernels take an int8 KV cache (compile --kv-cache-dtype int8)."""
 
     name: str
     layouts: dict[str, KVLayout]
@@ -55,6 +56,7 @@ class Backend:
     options: tuple[str, ...] = ()  # the compile options (keywords of `compiler`) it takes
     check: str | None = None  # "module:function"(target, options) that refuses bad options before compiling
     tolerance: Tolerance = Tolerance()
+    int8_kv_targets: tuple[str, ...] = ()
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -87,6 +89,7 @@ BACKENDS: dict[str, Backend] = {
         # 0.034 of the logits' scale on the tiny checkpoints (q8, q4g32, q4g32-zp4, q4g128-sym, q4mix), and on
         # SmolLM2 q4g32 up to ~1.3 of ~25 (0.05, README); at level 0 it computes in float32 (1.1e-6)
         tolerance=Tolerance(rounded_activations=0.1),
+        int8_kv_targets=("cpu",),  # GroupQueryAttention's PER_CHANNEL quantization; CUDA's PagedAttention has none
     ),
     "tvm": Backend(
         name="tvm",
@@ -97,6 +100,7 @@ BACKENDS: dict[str, Backend] = {
         summary="Apache TVM: Relax + llmlower's paged-attention kernels, llvm (CPU) or CUDA",
         options=("cuda_arch", "cpu"),
         check="llmlower.backends.tvm.compile:check_options",
+        int8_kv_targets=("cpu",),  # the CUDA kernels take it too, but have not run on a GPU
     ),
     "mlir": Backend(
         name="mlir",
@@ -107,6 +111,7 @@ BACKENDS: dict[str, Backend] = {
         summary="MLIR through torch-mlir (torch, linalg, stablehlo or tosa); linalg runs here, JIT-compiled (slow)",
         options=("dialect", "static_dims"),
         check="llmlower.backends.mlir.artifact:check_options",
+        int8_kv_targets=("cpu",),
     ),
 }
 

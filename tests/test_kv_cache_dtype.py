@@ -1,7 +1,8 @@
 """An int8 KV cache (compile --kv-cache-dtype int8): the kv_cache_dtype pass keeps each architecture's logits
-within its tolerance, the ONNX CPU artifact holds int8 caches (a quarter of float32's bytes) and serves
-continuous batching, chunked prefill, prefix caching and speculative decoding exactly as it serves each request
-alone, and what cannot take an int8 cache is refused before anything is compiled."""
+within its tolerance in both KV layouts, the ONNX CPU (per-sequence caches), TVM CPU (paged pools) and MLIR
+artifacts hold int8 caches (a quarter of float32's bytes) and serve continuous batching, chunked prefill,
+preemption, prefix caching and speculative decoding exactly as they serve each request alone, and what cannot
+take an int8 cache is refused before anything is compiled."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from llmlower.api import compile_artifact
 from llmlower.cli import main
 from llmlower.errors import ArgumentError, PassError
 from llmlower.frontend.calibration import CALIBRATION_TEXT
-from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
+from llmlower.passes import DEFAULT_PIPELINE, run_pipeline, with_kv_layout
 from llmlower.runtime import Engine, SamplingParams
 from llmlower.runtime.speculative import SpeculativeConfig
+from llmlower.step_io import KVLayout
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 CONTEXT = 128
+BLOCK = {"onnx": 16, "tvm": 4}  # TVM's pools in small blocks: sequences outgrow them often
+BACKENDS = list(BLOCK)
 PROMPT_LENGTHS = [5, 40, 9, 23, 3, 31, 14, 7]
 ARRIVALS = [0, 0, 1, 2, 3, 5, 6, 8]
 
@@ -31,19 +35,35 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def int8_artifact(tiny_llama, tmp_path_factory):
-    """The tiny Llama with an int8 cache and a one-layer self-draft, checked against the reference (--verify)."""
-    out = tmp_path_factory.mktemp("kv-int8") / "onnx"
-    args = ["compile", str(tiny_llama), "-o", str(out), "--kv-cache-dtype", "int8", "--draft-layers", "1", "--verify"]
-    assert main(args) == 0
-    return out
+def int8_artifacts(tiny_llama, tmp_path_factory):
+    """The tiny Llama with an int8 cache and a one-layer self-draft, checked against the reference (--verify),
+    once per backend: int8_artifacts(backend) -> directory."""
+    root, built = tmp_path_factory.mktemp("kv-int8"), {}
+
+    def artifact(backend: str):
+        if backend not in built:
+            built[backend] = root / backend
+            args = ["compile", str(tiny_llama), "-o", str(built[backend]), "--backend", backend]
+            args += ["--kv-cache-dtype", "int8", "--draft-layers", "1", "--verify"]
+            assert main([*args, *(["--block-size", str(BLOCK[backend])] if backend == "tvm" else [])]) == 0
+        return built[backend]
+
+    return artifact
 
 
 @pytest.fixture(scope="module")
-def alone(int8_artifact) -> list[list[int]]:
-    """Each prompt's greedy tokens on the int8 artifact, served alone."""
-    engine = Engine.load(int8_artifact, max_context=CONTEXT)
-    return [engine.generate([p], GREEDY, chat=False)[0].token_ids for p in _prompts(engine.spec.vocab_size)]
+def alone(int8_artifacts):
+    """Each prompt's greedy tokens on a backend's int8 artifact, served alone: alone(backend) -> token lists."""
+    done = {}
+
+    def tokens(backend: str) -> list[list[int]]:
+        if backend not in done:
+            engine = Engine.load(int8_artifacts(backend), max_context=CONTEXT)
+            prompts = _prompts(engine.spec.vocab_size)
+            done[backend] = [engine.generate([p], GREEDY, chat=False)[0].token_ids for p in prompts]
+        return done[backend]
+
+    return tokens
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gpt_oss", "bloom", "mistral"])
@@ -63,6 +83,17 @@ def test_the_pass_keeps_the_logits_within_its_tolerance(arch, captures, tiny_che
     assert 0 < record.max_error <= 0.1
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_the_pass_takes_paged_pools(arch, captures):
+    """After paged_attention (TVM's layout): int8 pools, verified on the logits of prompts packed into blocks."""
+    pipeline = with_kv_layout(DEFAULT_PIPELINE, KVLayout.PAGED, 4)
+    calibration = {"calibration": list(range(5, 200))}
+    program = run_pipeline(captures(arch), [*pipeline, ("kv_cache_dtype", calibration)], verify=True)
+    pools = [t for t in program.inputs if t.name.startswith(("k_pool", "v_pool"))]
+    assert pools and {t.dtype for t in pools} == {"int8"}
+    assert program.history[-1].name == "kv_cache_dtype" and 0 < program.history[-1].max_error <= 0.1
+
+
 def test_the_roofline_counts_a_quarter_of_the_kv_bytes(captures, tiny_checkpoints):
     from llmlower.roofline import decode_step, step_cost
 
@@ -74,60 +105,79 @@ def test_the_roofline_counts_a_quarter_of_the_kv_bytes(captures, tiny_checkpoint
     assert read[1] * 4 == read[0] > 0
 
 
-def test_the_artifact_keeps_int8_caches_a_quarter_of_float32s_bytes(int8_artifact):
-    manifest = json.loads((int8_artifact / "manifest.json").read_text())
+def _cache_arrays(engine: Engine) -> list[np.ndarray]:
+    """The engine's KV arrays: per-sequence caches [slots, kv_heads, positions, head_dim] or TVM's pools
+    [blocks, block_size, kv_heads, head_dim] (as numpy)."""
+    executor = engine.executor
+    if hasattr(executor, "pools"):
+        return [pool.numpy() for pool in executor.pools.values()]
+    return list(executor.caches.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_artifact_keeps_int8_caches_a_quarter_of_float32s_bytes(backend, int8_artifacts):
+    manifest = json.loads((int8_artifacts(backend) / "manifest.json").read_text())
     assert manifest["kv_layout"]["dtype"] == "int8"
     assert [step["name"] for step in manifest["pipeline"]][-1] == "kv_cache_dtype"
-    engine = Engine.load(int8_artifact, max_context=CONTEXT, max_num_seqs=2)
-    caches = engine.executor.caches
-    assert {c.dtype for c in caches.values()} == {np.dtype(np.int8)}
+    engine = Engine.load(int8_artifacts(backend), max_context=CONTEXT, max_num_seqs=2)
+    arrays = _cache_arrays(engine)
+    assert {a.dtype for a in arrays} == {np.dtype(np.int8)}
     spec = engine.spec
-    per_token = sum(c.shape[1] * c.shape[3] for c in caches.values())  # kv heads x head size, k and v, per layer
-    assert per_token == spec.kv_bytes_per_token("int8") == spec.kv_bytes_per_token("float32") // 4
+    bytes_per_token = sum(a.nbytes for a in arrays) // (engine.executor.num_blocks * engine.executor.block_size)
+    assert bytes_per_token == spec.kv_bytes_per_token("int8") == spec.kv_bytes_per_token("float32") // 4
 
 
-def test_requests_arriving_under_a_small_pool_get_their_tokens_alone(int8_artifact, alone, serve):
-    """Three slots, 16 tokens per step: prompts are prefilled in chunks beside the decodes of others."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_requests_arriving_under_a_small_pool_get_their_tokens_alone(backend, int8_artifacts, alone, serve):
+    """Three slots (ONNX) or 160 positions in blocks of 4 (TVM, which preempts), 16 tokens per step: prompts are
+    prefilled in chunks beside the decodes of others."""
+    blocks = 3 * CONTEXT // BLOCK[backend] if backend == "onnx" else 160 // BLOCK[backend]
     engine = Engine.load(
-        int8_artifact, max_context=CONTEXT, num_blocks=3 * CONTEXT // 16, max_num_batched_tokens=16, max_num_seqs=8
+        int8_artifacts(backend), max_context=CONTEXT, num_blocks=blocks, max_num_batched_tokens=16, max_num_seqs=8
     )
-    assert [r.token_ids for r in serve(engine, _prompts(engine.spec.vocab_size), ARRIVALS, GREEDY)] == alone
-    assert engine.stats().kv_blocks_used == 0
+    results = serve(engine, _prompts(engine.spec.vocab_size), ARRIVALS, GREEDY)
+    assert [r.token_ids for r in results] == alone(backend)
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and (backend == "onnx" or stats.preemptions >= 1)
 
 
-def test_a_cached_prefix_gives_the_tokens_of_a_fresh_prefill(int8_artifact, alone):
-    engine = Engine.load(int8_artifact, max_context=CONTEXT)
-    prompt = _prompts(engine.spec.vocab_size)[1]  # 40 tokens: two full blocks of 16 are cached
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cached_prefix_gives_the_tokens_of_a_fresh_prefill(backend, int8_artifacts, alone):
+    engine = Engine.load(int8_artifacts(backend), max_context=CONTEXT)
+    prompt = _prompts(engine.spec.vocab_size)[1]  # 40 tokens
     first = engine.generate([prompt], GREEDY, chat=False)[0]
     again = engine.generate([prompt], GREEDY, chat=False)[0]
-    assert again.usage.cached_tokens == 32
-    assert first.token_ids == again.token_ids == alone[1]
+    assert again.usage.cached_tokens == (len(prompt) - 1) // BLOCK[backend] * BLOCK[backend] > 0
+    assert first.token_ids == again.token_ids == alone(backend)[1]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("method", ["ngram", "self:1"])
-def test_speculative_decoding_gives_the_tokens_of_plain_decoding(int8_artifact, alone, method):
+def test_speculative_decoding_gives_the_tokens_of_plain_decoding(backend, method, int8_artifacts, alone):
     config = SpeculativeConfig.parse(method, 3)
-    engine = Engine.load(int8_artifact, max_context=CONTEXT, max_num_seqs=8, speculative=config)
+    engine = Engine.load(int8_artifacts(backend), max_context=CONTEXT, max_num_seqs=8, speculative=config)
     results = engine.generate(_prompts(engine.spec.vocab_size), GREEDY, chat=False)
-    assert [r.token_ids for r in results] == alone
+    assert [r.token_ids for r in results] == alone(backend)
     assert engine.stats().speculation.accepted > 0
 
 
-def test_the_mlir_artifact_holds_the_same_int8_cache(int8_artifact, tiny_llama, tmp_path):
-    """The same pass through torch-mlir's linalg JIT: verified against the reference, same greedy tokens."""
+def test_the_backends_hold_the_same_int8_cache(int8_artifacts, tiny_llama, tmp_path):
+    """The same pass through torch-mlir's linalg JIT, GroupQueryAttention and TVM's kernels: each verified against
+    the reference, the same greedy tokens."""
     mlir = compile_artifact(tiny_llama, tmp_path / "mlir", backend="mlir", kv_cache_dtype="int8", verify=True)
+    assert json.loads((mlir / "manifest.json").read_text())["kv_layout"]["dtype"] == "int8"
     prompt = _prompts(256)[3]
     tokens = [
         Engine.load(a, max_context=CONTEXT).generate([prompt], GREEDY, chat=False)[0].token_ids
-        for a in (mlir, int8_artifact)
+        for a in (mlir, int8_artifacts("onnx"), int8_artifacts("tvm"))
     ]
-    assert tokens[0] == tokens[1]
-    assert json.loads((mlir / "manifest.json").read_text())["kv_layout"]["dtype"] == "int8"
+    assert tokens[0] == tokens[1] == tokens[2]
 
 
 def test_what_cannot_take_an_int8_cache_is_refused_before_compiling(tiny_llama, tiny_checkpoints, tmp_path, capsys):
-    with pytest.raises(ArgumentError, match="--kv-cache-dtype int8: --backend tvm --target cpu runs a paged cache"):
-        compile_artifact(tiny_llama, tmp_path / "tvm", backend="tvm", kv_cache_dtype="int8")
+    for backend in ("onnx", "tvm"):
+        with pytest.raises(ArgumentError, match=f"--backend {backend} --target cuda read float caches"):
+            compile_artifact(tiny_llama, tmp_path / backend, backend=backend, target="cuda", kv_cache_dtype="int8")
     with pytest.raises(ArgumentError, match="compile with --dtype float16"):
         compile_artifact(tiny_llama, tmp_path / "f16", kv_cache_dtype="float16")
     with pytest.raises(PassError, match="values have a head size of their own"):

@@ -76,6 +76,7 @@ def test_manifest_describes_a_paged_float16_cuda_artifact(artifact):
         "layers": LAYERS,
         "kv_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
+        "dtype": "float16",
         "block_size": BLOCK,
     }
 

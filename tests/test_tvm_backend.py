@@ -175,7 +175,7 @@ def artifact(tiny_llama, tmp_path_factory):
 def test_the_artifact_runs_as_the_checkpoint_without_torch(artifact, tiny_llama, without_torch, capsys):
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert (manifest["backend"], manifest["target"]) == ("tvm", "cpu")
-    layout = {"kind": "paged", "block_size": 8, "layers": 2, "kv_heads": 2, "head_dim": 16}
+    layout = {"kind": "paged", "block_size": 8, "layers": 2, "kv_heads": 2, "head_dim": 16, "dtype": "float32"}
     assert manifest["kv_layout"] == {**layout, "shape": ["num_blocks", "block_size", "kv_heads", "head_dim"]}
     assert set(manifest["entry_points"]) == {"step", "copy_blocks"}
     assert {"model.so", "weights.safetensors"} <= set(manifest["files"])

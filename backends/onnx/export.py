@@ -62,10 +62,14 @@ def check_lowerable(program: Program) -> None:
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}) in {dtype}: ONNX Runtime's "
                 "PagedAttention (CUDA) runs float16 here; compile for --target cuda (float16 by default)"
             )
-        if (
-            node.target in PAGED_OPS
-            and node.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs.get("alibi_slopes") is not None
-        ):
+        paged = node.target in PAGED_OPS
+        given = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs if paged else {}
+        if given.get("k_scale") is not None:
+            raise LoweringError(
+                f"the ONNX backend cannot lower node {node.name} (op {node.target}) with an int8 pool: ONNX Runtime's "
+                "PagedAttention has no quantized cache (the CPU target's GroupQueryAttention has)"
+            )
+        if given.get("alibi_slopes") is not None:
             raise LoweringError(
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}): ONNX Runtime's PagedAttention "
                 "has no attention bias for ALiBi (the CPU target's GroupQueryAttention has; TVM's kernels too)"

@@ -50,7 +50,6 @@ class TorchExecutor(Executor):
         self.max_context = min(max_context or spec.max_positions, spec.max_positions)
         per_sequence = -(-self.max_context // self.block_size)
         self.num_blocks = num_blocks or DEFAULT_SEQUENCES * per_sequence
-        dtype = getattr(torch, spec.dtype)
         self.caches: dict[str, torch.Tensor] = {}
         for t in program.inputs:
             if cache_layer(t.name) is None:
@@ -59,7 +58,7 @@ class TorchExecutor(Executor):
                 shape = (self.num_blocks, *t.shape[1:])
             else:  # [slots, kv_heads, slot positions, head_dim]
                 shape = (self.num_blocks // per_sequence, t.shape[1], per_sequence * self.block_size, t.shape[3])
-            self.caches[t.name] = torch.zeros(shape, dtype=dtype)
+            self.caches[t.name] = torch.zeros(shape, dtype=getattr(torch, t.dtype))  # the model's, or int8
 
     @property
     def all_positions(self) -> bool:

@@ -85,12 +85,13 @@ def rope(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     return _rotate(importer, x, cos, sin)
 
 
-EXTRAS = {"window": 0, "softcap": 0.0, "sinks": None, "alibi_slopes": None}  # the attention ops' last arguments
+# the attention ops' last arguments (k_scale / v_scale: an int8 cache's, kv_cache_dtype)
+EXTRAS = {"window": 0, "softcap": 0.0, "sinks": None, "alibi_slopes": None, "k_scale": None, "v_scale": None}
 
 
 def _extras(node: torch.fx.Node, args: list, at: int) -> dict:
-    """The op's window, softcap, sinks and ALiBi slopes from argument `at` on (torch.export leaves out those at
-    their defaults)."""
+    """The op's window, softcap, sinks, ALiBi slopes and cache scales from argument `at` on (torch.export leaves out
+    those at their defaults)."""
     given = dict(zip(EXTRAS, args[at:], strict=False))
     return {name: node.kwargs.get(name, given.get(name, default)) for name, default in EXTRAS.items()}
 
@@ -115,6 +116,8 @@ def _kernel_options(
         "sinks": extras["sinks"],
         "value_head_dim": int(v_pool.ty.shape[3]),
         "alibi_slopes": extras["alibi_slopes"],
+        "k_scale": extras["k_scale"],
+        "v_scale": extras["v_scale"],
     }
 
 

@@ -41,6 +41,15 @@ def _is_cuda(target_kind: str) -> bool:
     return target_kind == "cuda"
 
 
+def _quantized(pool_dtype: str, target_kind: str) -> bool:
+    """Whether the pools hold int8 steps of a scale (the CPU kernels only: the CUDA ones read float pools)."""
+    if pool_dtype != "int8":
+        return False
+    if _is_cuda(target_kind):
+        raise ValueError("int8 KV pools: the paged kernels take them on the CPU (llvm) only")
+    return True
+
+
 @T.macro
 def _sequence_of(seq: T.Buffer, query_start: T.Buffer, num_seqs: T.int32, row: T.int32) -> None:
     """seq[0] = the sequence owning `row`: the last s with query_start[s] <= row (sequences without new rows
@@ -49,6 +58,12 @@ def _sequence_of(seq: T.Buffer, query_start: T.Buffer, num_seqs: T.int32, row: T
     for s in T.serial(num_seqs):
         if query_start[s] <= row:
             seq[0] = s
+
+
+def _to_int8(x: tirx.PrimExpr, scale: tirx.PrimExpr) -> tirx.PrimExpr:
+    """x as an int8 step of `scale`: rounded, saturated to [-128, 127] (ir/attention.py's quantize_kv)."""
+    steps = T.round(T.Cast("float32", x) / scale)
+    return T.Cast("int8", T.max(T.min(steps, T.float32(127.0)), T.float32(-128.0)))
 
 
 @T.macro
@@ -84,12 +99,22 @@ def _dot(
 
 
 def append_kernel(
-    kv_heads: int, head_dim: int, block_size: int, dtype: str, target_kind: str, value_head_dim: int | None = None
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: str,
+    target_kind: str,
+    value_head_dim: int | None = None,
+    pool_dtype: str | None = None,
 ) -> tirx.PrimFunc:
     """k/v of every row written into the pools at the row's position, in place (pools are the first two
-    arguments): one task per row. Values may have a head size of their own (value_head_dim)."""
+    arguments): one task per row. Values may have a head size of their own (value_head_dim). int8 pools (CPU)
+    take round(x / scale) saturated to [-128, 127], with the k_scale / v_scale arguments [kv_heads, head_dim]
+    (float32, read only then)."""
     dv = value_head_dim or head_dim
     row_elems = kv_heads * max(head_dim, dv)
+    pool_dtype = pool_dtype or dtype
+    quantized = _quantized(pool_dtype, target_kind)
 
     @T.prim_func(s_tir=True, private=True)
     def paged_append(
@@ -100,16 +125,20 @@ def append_kernel(
         tables_h: T.handle,
         past_h: T.handle,
         starts_h: T.handle,
+        k_scale_h: T.handle,
+        v_scale_h: T.handle,
     ):
         T.func_attr(ATTRS)
         n, num_seqs, max_blocks, num_blocks = T.int32(), T.int32(), T.int32(), T.int64()
-        k_pool = T.match_buffer(k_pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
-        v_pool = T.match_buffer(v_pool_h, (num_blocks, block_size, kv_heads, dv), dtype)
+        k_pool = T.match_buffer(k_pool_h, (num_blocks, block_size, kv_heads, head_dim), pool_dtype)
+        v_pool = T.match_buffer(v_pool_h, (num_blocks, block_size, kv_heads, dv), pool_dtype)
         k = T.match_buffer(k_h, (n, kv_heads, head_dim), dtype)
         v = T.match_buffer(v_h, (n, kv_heads, dv), dtype)
         block_tables = T.match_buffer(tables_h, (num_seqs, max_blocks), "int32")
         past_lens = T.match_buffer(past_h, (num_seqs,), "int32")
         query_start = T.match_buffer(starts_h, (num_seqs + 1,), "int32")
+        k_scale = T.match_buffer(k_scale_h, (kv_heads, head_dim), "float32")
+        v_scale = T.match_buffer(v_scale_h, (kv_heads, dv), "float32")
         if _is_cuda(target_kind):
             for row in T.thread_binding(n, thread="blockIdx.x"):
                 for tx in T.thread_binding(CUDA_THREADS, thread="threadIdx.x"):
@@ -138,10 +167,16 @@ def append_kernel(
                     pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
                     block: T.let[T.int32] = block_tables[seq[0], pos // block_size]
                     for h in T.serial(kv_heads):
-                        for d in T.vectorized(head_dim):
-                            k_pool[block, pos % block_size, h, d] = k[row, h, d]
-                        for d in T.vectorized(dv):
-                            v_pool[block, pos % block_size, h, d] = v[row, h, d]
+                        if quantized:
+                            for d in T.serial(head_dim):
+                                k_pool[block, pos % block_size, h, d] = _to_int8(k[row, h, d], k_scale[h, d])
+                            for d in T.serial(dv):
+                                v_pool[block, pos % block_size, h, d] = _to_int8(v[row, h, d], v_scale[h, d])
+                        else:
+                            for d in T.vectorized(head_dim):
+                                k_pool[block, pos % block_size, h, d] = k[row, h, d]
+                            for d in T.vectorized(dv):
+                                v_pool[block, pos % block_size, h, d] = v[row, h, d]
 
     return paged_append
 
@@ -160,6 +195,7 @@ def attention_kernel(
     value_head_dim: int | None = None,
     alibi: bool = False,
     latent: bool = False,
+    pool_dtype: str | None = None,
 ) -> tirx.PrimFunc:
     """out[row, h] = softmax(scale * q·K) · V over the row's own positions lo..pos (lo = pos - window + 1 with a
     sliding window, else 0). CPU: one task per (row, kv head), each pass over a key serving its query heads;
@@ -170,8 +206,12 @@ def attention_kernel(
     a head size of their own (value_head_dim); with `alibi`, head h adds slopes[h] * (j - pos) to the logit of
     position j (the slopes argument, [heads] float32, read only then), after the softcap. With `latent` (MLA's
     latent cache, ir/latent_attention.py) the keys continue into v_pool, [k_pool | v_pool] (the latent, then the
-    rotary key: q is head_dim + value_head_dim wide), and the values are k_pool's (out head_dim wide)."""
+    rotary key: q is head_dim + value_head_dim wide), and the values are k_pool's (out head_dim wide). int8 pools
+    (CPU) hold steps of k_scale / v_scale [kv_heads, head_dim] (float32 arguments, read only then), folded in
+    where it costs least: q times k_scale once per row before the dot products, the output times v_scale after."""
     group = heads // kv_heads
+    pool_dtype = pool_dtype or dtype
+    quantized = _quantized(pool_dtype, target_kind)
     dv = value_head_dim or head_dim
     key_dim, value_dim = (head_dim + dv, head_dim) if latent else (head_dim, dv)
     lanes = math.gcd(head_dim, key_dim, LANES)
@@ -188,13 +228,17 @@ def attention_kernel(
         starts_h: T.handle,
         sinks_h: T.handle,
         slopes_h: T.handle,
+        k_scale_h: T.handle,
+        v_scale_h: T.handle,
         out_h: T.handle,
     ):
         T.func_attr(ATTRS)
         n, num_seqs, max_blocks, num_blocks = T.int32(), T.int32(), T.int32(), T.int64()
         q = T.match_buffer(q_h, (n, heads, key_dim), dtype)
-        k_pool = T.match_buffer(k_pool_h, (num_blocks, block_size, kv_heads, head_dim), dtype)
-        v_pool = T.match_buffer(v_pool_h, (num_blocks, block_size, kv_heads, dv), dtype)
+        k_pool = T.match_buffer(k_pool_h, (num_blocks, block_size, kv_heads, head_dim), pool_dtype)
+        v_pool = T.match_buffer(v_pool_h, (num_blocks, block_size, kv_heads, dv), pool_dtype)
+        k_scale = T.match_buffer(k_scale_h, (kv_heads, head_dim), "float32")
+        v_scale = T.match_buffer(v_scale_h, (kv_heads, dv), "float32")
         block_tables = T.match_buffer(tables_h, (num_seqs, max_blocks), "int32")
         past_lens = T.match_buffer(past_h, (num_seqs,), "int32")
         query_start = T.match_buffer(starts_h, (num_seqs + 1,), "int32")
@@ -298,6 +342,9 @@ def attention_kernel(
                         total[g] = T.float32(1.0) if sinks else T.float32(0.0)
                         for d in T.vectorized(key_dim):
                             q_s[g, d] = T.Cast("float32", q[row, kvh * group + g, d]) * scale
+                        if quantized:
+                            for d in T.vectorized(key_dim):
+                                q_s[g, d] = q_s[g, d] * k_scale[kvh, d]
                         for d in T.vectorized(value_dim):
                             acc[g, d] = 0.0
                     for b in T.serial(lo // block_size, pos // block_size + 1):
@@ -341,6 +388,9 @@ def attention_kernel(
                                     for d in T.vectorized(value_dim):
                                         acc[g, d] += score[g, t] * T.Cast("float32", values[block, t, kvh, d])
                     for g in T.serial(group):
+                        if quantized:
+                            for d in T.vectorized(value_dim):
+                                acc[g, d] = acc[g, d] * v_scale[kvh, d]
                         for d in T.vectorized(value_dim):
                             out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / total[g])
 
@@ -400,19 +450,32 @@ def emit_paged_attention(
     value_head_dim: int | None = None,
     alibi_slopes: relax.Expr | None = None,
     latent: bool = False,
+    k_scale: relax.Expr | None = None,
+    v_scale: relax.Expr | None = None,
 ) -> relax.Var:
     """Append k/v into the pools in place, then attend over the updated pools: out [N, heads, value_head_dim]
     ([N, heads, head_dim] with `latent`: keys [k_pool | v_pool], values k_pool, see attention_kernel). The
     attention reads the append's outputs, which orders the two and keeps the append alive. `sinks` [heads]
     (any float type) are the heads' sink logits and `alibi_slopes` [heads] their ALiBi slopes; the kernel reads
-    a float32 [heads] argument for each either way (zeros, unread, when absent)."""
-    dtype, kind = q.ty.dtype, target.kind.name
+    a float32 [heads] argument for each either way (zeros, unread, when absent). int8 pools come with k_scale and
+    v_scale (any shape of kv_heads x head_dim elements); the kernels read a float32 [kv_heads, head_dim] argument for
+    each either way (ones, unread, for float pools)."""
+    dtype, kind, pool_dtype = q.ty.dtype, target.kind.name, k_pool.ty.dtype
     dv = value_head_dim or head_dim
-    kernel = append_kernel(kv_heads, head_dim, block_size, dtype, kind, dv)
+    scales = [
+        relax.const(np.ones((kv_heads, width), "float32"))
+        if x is None
+        else bb.emit(relax.op.reshape(relax.op.astype(x, "float32"), [kv_heads, width]))
+        for x, width in ((k_scale, head_dim), (v_scale, dv))
+    ]
+    kernel = append_kernel(kv_heads, head_dim, block_size, dtype, kind, dv, pool_dtype)
     append = bb.add_func(kernel, "paged_append")
     pools = bb.emit(
         relax.call_tir_inplace(
-            append, [k_pool, v_pool, k, v, block_tables, past_lens, query_start], [0, 1], [k_pool.ty, v_pool.ty]
+            append,
+            [k_pool, v_pool, k, v, block_tables, past_lens, query_start, *scales],
+            [0, 1],
+            [k_pool.ty, v_pool.ty],
         )
     )
     attention = attention_kernel(
@@ -429,6 +492,7 @@ def emit_paged_attention(
         dv,
         alibi_slopes is not None,
         latent,
+        pool_dtype,
     )
     per_head = [
         relax.const(np.zeros(heads, "float32")) if x is None else bb.emit(relax.op.astype(x, "float32"))
@@ -438,7 +502,7 @@ def emit_paged_attention(
     return bb.emit(
         relax.call_tir(
             bb.add_func(attention, "paged_attention"),
-            [q, *updated, block_tables, past_lens, query_start, *per_head],
+            [q, *updated, block_tables, past_lens, query_start, *per_head, *scales],
             relax.TensorType([q.ty.shape[0], heads, head_dim if latent else dv], dtype),
         )
     )

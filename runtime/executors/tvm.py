@@ -181,7 +181,7 @@ class TvmExecutor(Executor):
             weights.arrays(artifact, manifest),
             [t["name"] for t in step["inputs"]],
             pools=pool_shapes(step["inputs"]),
-            dtype=manifest["dtype"],
+            dtype=manifest["kv_layout"].get("dtype", manifest["dtype"]),
             block_size=block_size,
             num_blocks=num_blocks,
             max_context=max_context,
