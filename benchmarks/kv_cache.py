@@ -4,11 +4,11 @@ Quality: sliding-window perplexity at a 2,048-token window (--window) of a text 
 on (tests/data/perplexity.txt by default), for the float cache and the int8 cache at each --headroom.
 Speed: --streams sequences of --context prompt tokens each, all admitted at once; after every prompt is
 prefilled, the decode steps of --new-tokens tokens each are timed (output tokens/s, median of --repeats).
-Each row names its KV bytes per token. ONNX CPU artifacts (the per-sequence cache: GroupQueryAttention),
-compiled once into --artifacts and reused.
+Each row names its KV bytes per token. CPU artifacts of each of --backends (onnx: per-sequence caches,
+GroupQueryAttention; tvm: paged pools, llmlower's kernels), compiled once into --artifacts and reused.
 
-    .venv/bin/python benchmarks/kv_cache.py [--model example] [--quant q4mix] [--window 2048]
-        [--headroom 1.0,1.25,1.5] [--streams 16] [--context 2048] [--new-tokens 32] [--repeats 3] [--json FILE]
+    .venv/bin/python benchmarks/kv_cache.py [--model example] [--quant q4mix] [--backends onnx,tvm] [--window 2048]
+        [--headroom 1.25] [--streams 16] [--context 2048] [--new-tokens 32] [--repeats 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from llmlower.runtime import Engine, SamplingParams
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def compiled(model: str, quant: str, headroom: float | None, directory: Path, rebuild: bool) -> Path:
-    """MODEL compiled for the ONNX CPU backend with every position's logits (perplexity needs them), with the
+def compiled(model: str, backend: str, quant: str, headroom: float | None, directory: Path, rebuild: bool) -> Path:
+    """MODEL compiled for `backend` on the CPU with every position's logits (perplexity needs them), with the
     float cache (headroom None) or the int8 one at `headroom`; reused when present."""
-    name = f"{quant}-{'float' if headroom is None else f'int8-h{headroom:g}'}"
+    name = f"{backend}-{quant}-{'float' if headroom is None else f'int8-h{headroom:g}'}"
     out = directory / name
     if (out / "manifest.json").exists() and not rebuild:
         return out
@@ -50,7 +50,7 @@ def compiled(model: str, quant: str, headroom: float | None, directory: Path, re
     print(f"[kv_cache] compiling {name} into {out}", file=sys.stderr)
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
-    return compile_artifact(model, out, pipeline)
+    return compile_artifact(model, out, pipeline, backend=backend)
 
 
 def decode_speed(artifact: Path, streams: int, context: int, new_tokens: int, threads: int) -> float:
@@ -79,9 +79,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="example")
     parser.add_argument("--quant", default="q4mix", help="weights (default q4mix, the recommended pipeline)")
+    parser.add_argument("--backends", default="onnx,tvm", help="comma-separated: onnx (slots), tvm (paged)")
     parser.add_argument("--text", type=Path, default=ROOT / "tests" / "data" / "perplexity.txt")
     parser.add_argument("--window", type=int, default=2048)
-    parser.add_argument("--headroom", default="1.0,1.25,1.5", help="int8 variants: calibrated peak x headroom")
+    parser.add_argument("--headroom", default="1.25", help="int8 variants: calibrated peak x headroom")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens of each stream")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -95,15 +96,20 @@ def main() -> None:
 
     text = args.text.read_text(encoding="utf-8")
     variants = [None, *(float(h) for h in args.headroom.split(","))]
-    artifacts = {h: compiled(args.model, args.quant, h, args.artifacts, args.rebuild) for h in variants}
+    artifacts = {
+        (backend, h): compiled(args.model, backend, args.quant, h, args.artifacts, args.rebuild)
+        for backend in args.backends.split(",")
+        for h in variants
+    }
     rows = []
-    for headroom, artifact in artifacts.items():
+    for (backend, headroom), artifact in artifacts.items():
         result, _ = text_perplexity(artifact, text, [], window=args.window)
         manifest = json.loads((artifact / "manifest.json").read_text())
         spec = manifest["spec"]
         kv_dtype = manifest["kv_layout"].get("dtype", manifest["dtype"])
         per_token = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * np.dtype(kv_dtype).itemsize
         row = {
+            "backend": backend,
             "cache": "float32" if headroom is None else f"int8 (headroom {headroom:g})",
             "kv_bytes_per_token": int(per_token),
             "perplexity": result.perplexity,
@@ -117,14 +123,14 @@ def main() -> None:
             row["decode_tokens_per_s"] = statistics.median(speeds)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
-    base = rows[0]["perplexity"]
+    base = {row["backend"]: row["perplexity"] for row in rows if row["cache"] == "float32"}
     print(
-        f"{args.model} {args.quant}, ONNX CPU, {args.threads} threads; {machine(machine_ceilings('cpu'))}; perplexity "
-        f"of {args.text.name} at a {args.window}-token window; decode of {args.streams} streams after prompts of "
-        f"{args.context} tokens, {args.new_tokens} new tokens each"
+        f"{args.model} {args.quant}, CPU artifacts, {args.threads} threads; {machine(machine_ceilings('cpu'))}; "
+        f"perplexity of {args.text.name} at a {args.window}-token window; decode of {args.streams} streams after "
+        f"prompts of {args.context} tokens, {args.new_tokens} new tokens each"
     )
-    print("| cache | KV bytes/token | perplexity | vs float | 16-stream decode tok/s |")
-    print("|---|---:|---:|---:|---:|")
+    print("| backend | cache | KV bytes/token | perplexity | vs float | 16-stream decode tok/s |")
+    print("|---|---|---:|---:|---:|---:|")
     for row in rows:
         speed = f"{row['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in row else "–"
         change = 100 * (row["perplexity"] / base - 1)
