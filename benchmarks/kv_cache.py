@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +32,8 @@ from llmlower.frontend.example import cache_dir
 from llmlower.passes import build_pipeline
 from llmlower.roofline import machine_ceilings
 from llmlower.runtime import Engine, SamplingParams
+from llmlower.runtime.artifact import kv_cache_dtype, read_manifest
+from llmlower.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,8 +50,7 @@ def compiled(model: str, backend: str, quant: str, headroom: float | None, direc
         ids = calibration_ids(tokenizer_of(load(resolve_model(model))))
         pipeline.append(("kv_cache_dtype", {"calibration": ids, "headroom": headroom}))
     print(f"[kv_cache] compiling {name} into {out}", file=sys.stderr)
-    if out.exists():
-        subprocess.run(["rm", "-rf", str(out)], check=True)
+    shutil.rmtree(out, ignore_errors=True)
     return compile_artifact(model, out, pipeline, backend=backend)
 
 
@@ -104,14 +105,12 @@ def main() -> None:
     rows = []
     for (backend, headroom), artifact in artifacts.items():
         result, _ = text_perplexity(artifact, text, [], window=args.window)
-        manifest = json.loads((artifact / "manifest.json").read_text())
-        spec = manifest["spec"]
-        kv_dtype = manifest["kv_layout"].get("dtype", manifest["dtype"])
-        per_token = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * np.dtype(kv_dtype).itemsize
+        manifest = read_manifest(artifact, verify=False)
+        per_token = ModelSpec.from_dict(manifest["spec"]).kv_bytes_per_token(kv_cache_dtype(manifest))
         row = {
             "backend": backend,
             "cache": "float32" if headroom is None else f"int8 (headroom {headroom:g})",
-            "kv_bytes_per_token": int(per_token),
+            "kv_bytes_per_token": per_token,
             "perplexity": result.perplexity,
             "tokens_scored": result.tokens,
         }
@@ -129,14 +128,13 @@ def main() -> None:
         f"perplexity of {args.text.name} at a {args.window}-token window; decode of {args.streams} streams after "
         f"prompts of {args.context} tokens, {args.new_tokens} new tokens each"
     )
-    print("| backend | cache | KV bytes/token | perplexity | vs float | 16-stream decode tok/s |")
+    print(f"| backend | cache | KV bytes/token | perplexity | vs float | {args.streams}-stream decode tok/s |")
     print("|---|---|---:|---:|---:|---:|")
     for row in rows:
         speed = f"{row['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in row else "–"
-        change = 100 * (row["perplexity"] / base - 1)
-        print(
-            f"| {row['cache']} | {row['kv_bytes_per_token']:,} | {row['perplexity']:.4f} | {change:+.2f}% | {speed} |"
-        )
+        change = 100 * (row["perplexity"] / base[row["backend"]] - 1)
+        cells = [row["backend"], row["cache"], f"{row['kv_bytes_per_token']:,}", f"{row['perplexity']:.4f}"]
+        print("| " + " | ".join([*cells, f"{change:+.2f}%", speed]) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -230,6 +230,12 @@ def _check_fields(path: Path, manifest: dict[str, Any]) -> None:
         raise ArtifactError(f"{path}: field 'spec' is not a model spec ({error})") from None
 
 
+def kv_cache_dtype(manifest: dict[str, Any]) -> str:
+    """The dtype an artifact keeps its KV cache in: its kv_layout's (int8 after the kv_cache_dtype pass), else the
+    model's (artifacts written before the field)."""
+    return manifest["kv_layout"].get("dtype", manifest["dtype"])
+
+
 def draft_dir_name(layers: int) -> str:
     """The directory, inside the target artifact, of its self-draft with `layers` decoder layers."""
     return f"draft-layers-{layers}"

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import GenerationError, RequestFailed
 from ..spec import ModelSpec
-from .artifact import draft_artifact, read_manifest
+from .artifact import draft_artifact, kv_cache_dtype, read_manifest
 from .block_manager import BlockManager, kv_pool_blocks
 from .detokenizer import StreamDelta, TextStream
 from .executor import Executor, StepBatch
@@ -256,7 +256,7 @@ class Engine:
             )
         block_size = compiled_block_size or config.block_size or 16
         num_blocks = kv_pool_blocks(
-            spec.kv_bytes_per_token(manifest["kv_layout"].get("dtype", manifest["dtype"])),
+            spec.kv_bytes_per_token(kv_cache_dtype(manifest)),
             block_size,
             config.max_num_seqs,
             context,

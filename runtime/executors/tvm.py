@@ -33,7 +33,7 @@ from tvm_ffi.libinfo import load_lib_ctypes
 
 from ...errors import GenerationError
 from ...step_io import KVLayout, cache_layer
-from ..artifact import ArtifactError
+from ..artifact import ArtifactError, kv_cache_dtype
 from ..cpu_features import check_host_cpu, host_cpu_refusal
 from ..executor import (
     Executor,
@@ -181,7 +181,7 @@ class TvmExecutor(Executor):
             weights.arrays(artifact, manifest),
             [t["name"] for t in step["inputs"]],
             pools=pool_shapes(step["inputs"]),
-            dtype=manifest["kv_layout"].get("dtype", manifest["dtype"]),
+            dtype=kv_cache_dtype(manifest),
             block_size=block_size,
             num_blocks=num_blocks,
             max_context=max_context,
