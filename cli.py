@@ -617,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=KV_CACHE_DTYPES,
         help="auto: the model's dtype; int8: a quarter of float32's KV bytes, scales per kv head and channel "
-        "calibrated at compile time (onnx, cpu)",
+        "calibrated at compile time (onnx, tvm and mlir on the cpu)",
     )
     comp.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     comp.add_argument(

@@ -20,6 +20,12 @@ from .attention import alibi_bias, attend, attention_cost, dequantize_kv, quanti
 from .registry import NAMESPACE, OpDef, register_op
 
 
+def pool_scale(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """An int8 cache's [1, kv_heads, 1, head_dim] scale as [kv_heads, head_dim], to broadcast over a pool's
+    [.., kv_heads, head_dim]."""
+    return None if scale is None else scale.reshape(scale.shape[1], scale.shape[3])
+
+
 def packed_positions(past_lens: torch.Tensor, input_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For packed tokens: each token's sequence index and its position in that sequence."""
     sequence = torch.repeat_interleave(torch.arange(len(input_lens), device=input_lens.device), input_lens)
@@ -47,7 +53,7 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     block_size = k_pool.shape[1]
-    k_scale, v_scale = (None if s is None else s.reshape(s.shape[1], s.shape[3]) for s in (k_scale, v_scale))
+    k_scale, v_scale = pool_scale(k_scale), pool_scale(v_scale)
     sequence, positions = packed_positions(past_lens, input_lens)
     if positions.numel() and int(positions.max()) >= block_tables.shape[1] * block_size:
         raise ValueError(f"paged_attention: position {int(positions.max())} is beyond the sequence's block table")

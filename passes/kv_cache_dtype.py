@@ -11,6 +11,7 @@ of a float16 one's.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ import torch.fx
 
 from ..errors import PassError
 from ..ir.attention import ATTENTION, quantize_kv
-from ..ir.paged_attention import PAGED_ATTENTION
+from ..ir.paged_attention import PAGED_ATTENTION, pool_scale
 from ..ir.paged_qkv_attention import PAGED_QKV_ATTENTION
 from ..ir.program import (
     INPUT_IDS,
@@ -75,11 +76,6 @@ def as_slots(cache: torch.Tensor, paged: bool, tokens: int) -> torch.Tensor:
     if not paged:
         return cache
     return cache.flatten(0, 1)[:tokens].transpose(0, 1)[None]
-
-
-def layout_scale(scale: torch.Tensor, paged: bool) -> torch.Tensor:
-    """A [1, kv_heads, 1, head_dim] scale shaped to broadcast over a cache, or a pool's [.., kv_heads, head_dim]."""
-    return scale.reshape(scale.shape[1], scale.shape[3]) if paged else scale
 
 
 def peaks(cache: torch.Tensor, rotated: bool) -> torch.Tensor:
@@ -142,14 +138,14 @@ def kv_cache_dtype(
         raise PassError("kv_cache_dtype: run kv_cache first (it gives the program its KV cache)")
     if len(calibration) < 2:
         raise PassError("kv_cache_dtype: calibration needs at least two token ids")
+    if headroom < 1:
+        raise PassError(f"kv_cache_dtype: headroom {headroom} would clip the calibration text's own keys")
     program = program.with_fresh_meta()
     nodes = _attention_nodes(program)
     for node in nodes:
         k_cache, v_cache = (node.args[i] for i in CACHE_ARGUMENTS[node.target])
         if k_cache.meta["val"].shape[-1] != v_cache.meta["val"].shape[-1]:
             raise PassError(f"kv_cache_dtype: {node.name}'s values have a head size of their own (no int8 cache)")
-    if headroom < 1:
-        raise PassError(f"kv_cache_dtype: headroom {headroom} would clip the calibration text's own keys")
     rotated = {node.args[CACHE_ARGUMENTS[node.target][0]].target for node in nodes if _rotated_keys(node)}
     scales = calibrated_scales(program, list(calibration), headroom, rotated)
     gm = program.graph_module
@@ -164,7 +160,7 @@ def kv_cache_dtype(
         node.kwargs = {**node.kwargs, **extras}
     gm.recompile()
     int8 = [
-        [type(t)(t.name, "int8", t.shape) if t.name in scales else t for t in specs]
+        [replace(t, dtype="int8") if t.name in scales else t for t in specs]
         for specs in (program.inputs, program.outputs)
     ]
     program = program.with_signature(*int8).reexport()
@@ -181,13 +177,9 @@ def _fresh_prompts(program: Program, options: dict[str, Any]) -> Tensors:
 
 def _logits_of_int8(program: Program, inputs: Tensors, options: dict[str, Any]) -> Tensors:
     """The int8 program's logits on the float program's inputs (their caches quantized)."""
+    shaped = pool_scale if program.kv_layout is KVLayout.PAGED else (lambda scale: scale)
     gm = program.graph_module
-    paged = program.kv_layout is KVLayout.PAGED
-    scale = {
-        name: layout_scale(getattr(gm, f"kv_{name}_scale"), paged)
-        for name in program.input_names
-        if cache_layer(name) is not None
-    }
+    scale = {name: shaped(getattr(gm, f"kv_{name}_scale")) for name in inputs if cache_layer(name) is not None}
     quantized = {name: quantize_kv(v, scale[name]) if name in scale else v for name, v in inputs.items()}
     return {LOGITS: program(**quantized)[LOGITS]}
 
@@ -197,11 +189,12 @@ register_pass(
         name="kv_cache_dtype",
         summary="an int8 KV cache, one scale per kv head and channel calibrated at compile time",
         explain=(
-            "Runs the program once on calibration tokens with an empty cache, takes each layer's largest |key| and "
-            "|value| per kv head and channel, and gives every attention (or qkv_attention) its layer's k_scale and "
-            "v_scale: new keys and values are stored as int8 steps of the scale, the cache is read as int8 * "
-            "scale. The caches (or pools) become int8 inputs and outputs: a quarter of float32's bytes. Verified on "
-            "the logits of prompts."
+            "Runs the program once on calibration tokens with an empty cache, takes each layer's largest |value| "
+            "per kv head and channel (for keys rotated by rope, each rotate_half pair's largest norm, which any "
+            "later position may put in either channel), times a headroom (1.25), as int8's 127, and gives every "
+            "(paged_)attention or (paged_)qkv_attention its layer's k_scale and v_scale: new keys and values are "
+            "stored as int8 steps of the scale, the cache is read as int8 * scale. The caches (or pools) become int8 "
+            "inputs and outputs: a quarter of float32's bytes. Verified on the logits of prompts."
         ),
         run=kv_cache_dtype,
         tolerance=0.1,
