@@ -13,9 +13,16 @@ import pytest
 import torch
 import tvm
 from tvm import relax, tirx
+from tvm.script import tirx as T
 
 from llmlower.backends.tvm.compile import compile_module, cuda_binary, tvm_target
-from llmlower.backends.tvm.paged_kernels import emit_copy_blocks, emit_paged_attention, emit_paged_latent_attention
+from llmlower.backends.tvm.paged_kernels import (
+    NEG,
+    emit_copy_blocks,
+    emit_paged_attention,
+    emit_paged_latent_attention,
+    vector_exp,
+)
 from llmlower.ir import PAGED_ATTENTION
 from llmlower.ir.latent_attention import paged_latent_attention
 
@@ -293,3 +300,19 @@ def test_latent_cuda_build() -> None:
     source, fatbin = cuda_binary(compile_module(_latent_module(target, 16, 8, 5), target), target)
     assert all(f"{name}_kernel" in source for name in ("paged_append", "paged_attention", "latent_absorb"))
     assert fatbin
+
+
+def test_the_softmax_exponential_is_exact_to_float32_and_zero_for_masked_logits() -> None:
+    """The CPU kernels' vectorized exp: within 1e-7 of exp over the softmax's arguments (<= 0), 0 for NEG."""
+
+    @T.prim_func
+    def exp_of(x: T.Buffer((1024,), "float32"), y: T.Buffer((1024,), "float32")):
+        for i in T.vectorized(1024):
+            y[i] = vector_exp(x[i])
+
+    x = np.concatenate([np.linspace(-87, 0, 1020), [NEG, -100.0, -88.5, 0.0]]).astype(np.float32)
+    y = tvm.runtime.tensor(np.empty_like(x))
+    tvm.compile(exp_of, target="llvm")(tvm.runtime.tensor(x), y)
+    exact = np.exp(x.astype(np.float64))
+    np.testing.assert_allclose(y.numpy()[:1020], exact[:1020], rtol=1e-7, atol=0)
+    assert y.numpy()[1020:].tolist() == [0.0, 0.0, 0.0, 1.0]

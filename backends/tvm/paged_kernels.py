@@ -66,6 +66,21 @@ def _to_int8(x: tirx.PrimExpr, scale: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.Cast("int8", T.max(T.min(steps, T.float32(127.0)), T.float32(-128.0)))
 
 
+def vector_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """exp(x) for float32 in plain arithmetic, so that a vectorized loop stays in vector lanes (LLVM calls libm's
+    scalar expf per lane): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error
+    < 1e-7), times 2^n built in the exponent bits. x is clamped to [-88, 88]; below 2^-126 the result is 0, so
+    exp(NEG - m) is exactly 0 as with libm."""
+    x = T.max(T.min(x, T.float32(88.0)), T.float32(-88.0))
+    n = T.floor(x * T.float32(1.4426950408889634) + T.float32(0.5))
+    r = x - n * T.float32(0.693359375) + n * T.float32(2.12194440e-4)  # ln 2 in two parts (Cody-Waite)
+    poly = T.float32(1.0 / 5040)
+    for k in (720, 120, 24, 6, 2, 1, 1):
+        poly = poly * r + T.float32(1.0 / k)
+    bits = T.shift_left(T.Cast("int32", n) + 127, 23)
+    return poly * T.reinterpret("float32", T.if_then_else(n < T.float32(-126.0), 0, bits))
+
+
 @T.macro
 def _dot_lanes(
     part: T.Buffer,
@@ -81,8 +96,8 @@ def _dot_lanes(
 ) -> None:
     """part[g, lane] += q_s[g, start:start + width] · pool[block, t, kvh, :width] for each query head g of the
     group, in `lanes` partial sums (the CPU kernel's key)."""
-    for c in T.serial(width // lanes):
-        for g in T.serial(group):
+    for c in T.unroll(width // lanes):
+        for g in T.unroll(group):
             for lane in T.vectorized(lanes):
                 part[g, lane] += q_s[g, start + c * lanes + lane] * T.Cast(
                     "float32", pool[block, t, kvh, c * lanes + lane]
@@ -358,10 +373,16 @@ def attention_kernel(
                                 _dot_lanes(part, q_s, 0, k_pool, block, t, kvh, head_dim, group, lanes)
                                 if latent:
                                     _dot_lanes(part, q_s, head_dim, v_pool, block, t, kvh, dv, group, lanes)
-                                for g in T.serial(group):
-                                    score[g, t] = 0.0
-                                    for lane in T.serial(lanes):
-                                        score[g, t] += part[g, lane]
+                                for g in T.unroll(group):  # the lanes summed in halves, in vector registers
+                                    if lanes == 8:
+                                        for lane in T.vectorized(4):
+                                            part[g, lane] += part[g, lane + 4]
+                                    if lanes >= 4:
+                                        for lane in T.vectorized(2):
+                                            part[g, lane] += part[g, lane + 2]
+                                    score[g, t] = part[g, 0]
+                                    if lanes >= 2:
+                                        score[g, t] += part[g, 1]
                                     if softcap > 0:
                                         score[g, t] = T.tanh(score[g, t] * T.float32(1.0 / softcap)) * T.float32(
                                             softcap
@@ -374,13 +395,14 @@ def attention_kernel(
                             m_new[g] = m[g]
                             for t in T.serial(block_size):
                                 m_new[g] = T.max(m_new[g], score[g, t])
-                            alpha[g] = T.exp(m[g] - m_new[g])
+                            alpha[g] = vector_exp(m[g] - m_new[g])
                             total[g] *= alpha[g]
                             for d in T.vectorized(value_dim):
                                 acc[g, d] *= alpha[g]
                             m[g] = m_new[g]
-                            for t in T.serial(block_size):
-                                score[g, t] = T.exp(score[g, t] - m[g])
+                            for t in T.vectorized(block_size):
+                                score[g, t] = vector_exp(score[g, t] - m[g])
+                            for t in T.unroll(block_size):
                                 total[g] += score[g, t]
                         for t in T.serial(block_size):
                             if lo <= b * block_size + t and b * block_size + t <= pos:
