@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .backends.failures import backend_errors
+from .backends.manifest import cache_dtype
 from .backends.torch import TorchExecutor
 from .backends.torch.executor import DEFAULT_BLOCK_SIZE
 from .errors import ArgumentError, LlmlowerError
@@ -37,15 +38,27 @@ def compile_program(
     block_size: int | None = None,
     verify: bool = False,
     dump_dir: str | Path | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[LoadedModel, Program]:
     """Load MODEL (checkpoint directory, .gguf file or 'example'), capture it and run the pipeline; with
-    `kv_layout`, the pipeline is first adapted to it (PAGED adds paged_attention with `block_size`)."""
+    `kv_layout`, the pipeline is first adapted to it (PAGED adds paged_attention with `block_size`); an int8
+    `kv_cache_dtype` adds the kv_cache_dtype pass last (with_kv_cache_dtype)."""
     check_block_size(block_size)
     if kv_layout is not None:
         pipeline = with_kv_layout(pipeline, kv_layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
+    pipeline = with_kv_cache_dtype(pipeline, kv_cache_dtype, loaded)
     program = run_pipeline(capture(loaded), pipeline, verify=verify, dump_dir=dump_dir)
     return loaded, program
+
+
+def with_kv_cache_dtype(pipeline: Sequence[PassSpec], kv_cache_dtype: str, loaded: LoadedModel) -> list[PassSpec]:
+    """The pipeline with, for an int8 cache, the kv_cache_dtype pass last: its scales calibrated on
+    frontend.calibration's text in the model's own tokens (float caches need no pass: they are the model's dtype)."""
+    if kv_cache_dtype != "int8":
+        return list(pipeline)
+    calibration = calibration_ids(tokenizer_of(loaded))
+    return [*pipeline, ("kv_cache_dtype", {"dtype": "int8", "calibration": calibration})]
 
 
 def check_draft_layers(draft_layers: int | Sequence[int] | None, num_layers: int | None = None) -> list[int]:
@@ -111,21 +124,28 @@ def load_engine(
     dtype: str = "float32",
     config: EngineConfig | None = None,
     verify: bool = False,
+    kv_cache_dtype: str = "auto",
     **limits: int | bool | None,
 ) -> Engine:
-    """An Engine on the torch reference backend for MODEL (a paged program); `config` or EngineConfig's
-    fields as keywords (max_num_seqs=4, max_context=512, num_blocks=..., ...) set its limits. A speculative
-    config's draft is a checkpoint here (draft:PATH), or MODEL through the draft_layers pass (self:K)."""
+    """An Engine on the torch reference backend for MODEL (a paged program, its KV pools in `kv_cache_dtype`);
+    `config` or EngineConfig's fields as keywords (max_num_seqs=4, max_context=512, num_blocks=..., ...) set its
+    limits. A speculative config's draft is a checkpoint here (draft:PATH), or MODEL through the draft_layers pass
+    (self:K), with the same cache dtype."""
     config = config or EngineConfig(**limits)
+    check_kv_cache_dtype(kv_cache_dtype, dtype, "torch", "cpu")
     layout = get_backend("torch").layout("cpu")
     block_size = config.block_size or DEFAULT_BLOCK_SIZE
-    loaded, program = compile_program(
-        model, pipeline, dtype=dtype, kv_layout=layout, block_size=block_size, verify=verify
-    )
+    compile_options = {"dtype": dtype, "kv_layout": layout, "block_size": block_size, "kv_cache_dtype": kv_cache_dtype}
+    loaded, program = compile_program(model, pipeline, verify=verify, **compile_options)
     spec = program.spec
     context = min(config.max_context or spec.max_positions, spec.max_positions)
     blocks = kv_pool_blocks(
-        spec.kv_bytes_per_token(), block_size, config.max_num_seqs, context, config.num_blocks, config.kv_cache_memory
+        spec.kv_bytes_per_token(cache_dtype(program)),
+        block_size,
+        config.max_num_seqs,
+        context,
+        config.num_blocks,
+        config.kv_cache_memory,
     )
     executor = TorchExecutor(program, max_context=context, num_blocks=blocks)
     draft = None
@@ -134,7 +154,7 @@ def load_engine(
         self_draft = speculative.method == "self"
         draft_model = model if self_draft else speculative.draft
         steps = draft_pipeline(pipeline, speculative.layers) if self_draft else pipeline
-        _, draft_program = compile_program(draft_model, steps, dtype=dtype, kv_layout=layout, block_size=block_size)
+        _, draft_program = compile_program(draft_model, steps, **compile_options)
         draft = TorchExecutor(draft_program, max_context=context, num_blocks=blocks)
     return Engine(executor, tokenizer_of(loaded), spec, config=config, draft=draft)
 
@@ -209,9 +229,7 @@ def compile_artifact(
     pipeline = with_kv_layout(pipeline, layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
     check_draft_layers(drafts, loaded.spec.num_layers)  # before minutes of compiling
-    if kv_cache_dtype == "int8":
-        calibration = calibration_ids(tokenizer_of(loaded))
-        pipeline = [*pipeline, ("kv_cache_dtype", {"dtype": "int8", "calibration": calibration})]
+    pipeline = with_kv_cache_dtype(pipeline, kv_cache_dtype, loaded)
     program = run_pipeline(capture(loaded), pipeline, verify=verify)
 
     def write_tokenizer(directory: Path) -> None:
@@ -298,11 +316,13 @@ def text_perplexity(
     dtype: str = "float32",
     window: int = 512,
     stride: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[PerplexityResult, list[dict]]:
     """Sliding-window perplexity of `text` under MODEL compiled with `pipeline` (which must keep every
-    position's logits: no last_token_logits), or under an artifact compiled that way (the pipeline is then
-    the artifact's). The window is capped at the model's context; the stride defaults to half the window.
-    Returns the result and the passes that ran (name, options, stats)."""
+    position's logits: no last_token_logits) and its KV cache in `kv_cache_dtype`, or under an artifact compiled
+    that way (the pipeline is then the artifact's). The window is capped at the model's context; the stride
+    defaults to half the window. Returns the result and the passes that ran (name, options, stats)."""
+    check_kv_cache_dtype(kv_cache_dtype, dtype, "torch", "cpu")
     if stride is not None:
         check_window(window, stride)  # before the model loads
     elif window < 2:
@@ -312,7 +332,9 @@ def text_perplexity(
         executor, tokenizer, history = engine.executor, engine.tokenizer, read_manifest(model, verify=False)["pipeline"]
         context = executor.max_context
     else:
-        loaded, program = compile_program(model, pipeline, dtype=dtype, kv_layout=KVLayout.PAGED)
+        loaded, program = compile_program(
+            model, pipeline, dtype=dtype, kv_layout=KVLayout.PAGED, kv_cache_dtype=kv_cache_dtype
+        )
         context = program.spec.max_positions
         executor, tokenizer = TorchExecutor(program, max_context=min(window, context)), tokenizer_of(loaded)
         history = [record.to_dict() for record in program.history]

@@ -70,6 +70,7 @@ def _check_artifact_options(args: argparse.Namespace) -> None:
         "--quant-embedding": args.quant_embedding,
         "--lm-head-bits": args.lm_head_bits,
         "--dtype": args.dtype,
+        "--kv-cache-dtype": args.kv_cache_dtype != "auto",
         "--verify": getattr(args, "verify", False),
     }
     given = [flag for flag, value in options.items() if value]
@@ -121,7 +122,10 @@ def _engine(args: argparse.Namespace, sequences: int, backend: str = "torch") ->
         from .api import load_engine
 
         pipeline = _pipeline(args)
-        return load_engine(args.model, pipeline, dtype=args.dtype or "float32", config=config, verify=args.verify)
+        dtype = args.dtype or "float32"
+        return load_engine(
+            args.model, pipeline, dtype=dtype, config=config, verify=args.verify, kv_cache_dtype=args.kv_cache_dtype
+        )
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -133,9 +137,9 @@ def _engine(args: argparse.Namespace, sequences: int, backend: str = "torch") ->
 
 
 def _compile_request(args: argparse.Namespace, backend: str) -> CompileRequest:
-    """What generate and chat compile MODEL with: the pipeline flags (--quant RECOMMENDED_QUANT unless given),
-    --dtype, --block-size where the backend fixes it when compiling (a paged KV layout), and the self-draft of
-    --speculative self:K, for the CPU."""
+    """What generate, chat and serve compile MODEL with: the pipeline flags (--quant RECOMMENDED_QUANT unless
+    given), --dtype, --block-size where the backend fixes it when compiling (a paged KV layout), the self-draft of
+    --speculative self:K and --kv-cache-dtype, for the CPU."""
     from .runtime.backends import get_backend
     from .step_io import KVLayout
 
@@ -145,7 +149,7 @@ def _compile_request(args: argparse.Namespace, backend: str) -> CompileRequest:
     block_size = args.block_size if paged else None
     speculative = _speculative(args)
     drafts = (speculative.layers,) if speculative is not None and speculative.method == "self" else ()
-    return CompileRequest(pipeline, quant, backend, "cpu", args.dtype, block_size, drafts)
+    return CompileRequest(pipeline, quant, backend, "cpu", args.dtype, block_size, drafts, args.kv_cache_dtype)
 
 
 def parse_dims(text: str) -> dict[str, int]:
@@ -397,8 +401,9 @@ def _perplexity(args: argparse.Namespace) -> int:
         raise LlmlowerError(f"{path}: --text is not UTF-8 text ({error})") from None
     _check_artifact_options(args)
     pipeline = _pipeline(args, all_logits=True)
+    dtype, kv_cache_dtype = args.dtype or "float32", args.kv_cache_dtype
     result, history = text_perplexity(
-        args.model, text, pipeline, dtype=args.dtype or "float32", window=args.window, stride=args.stride
+        args.model, text, pipeline, dtype=dtype, window=args.window, stride=args.stride, kv_cache_dtype=kv_cache_dtype
     )
     weight_bytes = history[-1]["stats"]["parameter_bytes"] if history else None
     report = {"perplexity": result.perplexity, "tokens": result.tokens, "weight_bytes": weight_bytes}
@@ -479,6 +484,13 @@ def _add_pipeline_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lm-head-bits", type=int, choices=[4, 8], help="LM head under --quant (default 8)")
     parser.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"], help="default float32 (compile for cuda: float16)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto: the model's dtype; int8: a quarter of float32's KV bytes, scales per kv head and channel "
+        "calibrated when compiling (onnx, tvm, mlir and torch on the cpu)",
     )
 
 
@@ -612,13 +624,6 @@ def build_parser() -> argparse.ArgumentParser:
         "sizes and fixes a decode step unless told (batch=1,tokens=1,context=the model's)",
     )
     comp.add_argument("--block-size", type=int, help="KV block size of a paged artifact (tvm, onnx cuda; default 16)")
-    comp.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="auto: the model's dtype; int8: a quarter of float32's KV bytes, scales per kv head and channel "
-        "calibrated at compile time (onnx, tvm and mlir on the cpu)",
-    )
     comp.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     comp.add_argument(
         "--draft-layers",

@@ -52,8 +52,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class CompileRequest:
     """What a model is compiled with: the pipeline (as passes.build_pipeline returns it, from `quant`, which
-    names the entry), the backend, target and dtype, the KV block size of a paged backend, and the self-drafts
-    (--speculative self:K) to compile with it."""
+    names the entry), the backend, target and dtype, the KV block size of a paged backend, the self-drafts
+    (--speculative self:K) to compile with it, and the KV cache's dtype (--kv-cache-dtype)."""
 
     pipeline: tuple[PassSpec, ...]
     quant: str = RECOMMENDED_QUANT
@@ -62,6 +62,7 @@ class CompileRequest:
     dtype: str | None = None
     block_size: int | None = None
     draft_layers: tuple[int, ...] = ()
+    kv_cache_dtype: str = "auto"
 
 
 def model_files(source: Path) -> dict[str, list[int]]:
@@ -115,6 +116,7 @@ def cache_key(source: Path, request: CompileRequest) -> dict[str, Any]:
             "dtype": request.dtype,
             "block_size": request.block_size,
             "draft_layers": request.draft_layers,
+            "kv_cache_dtype": request.kv_cache_dtype,
         },
         "model_files": model_files(source),
         "toolkit": toolkit(),
@@ -179,6 +181,7 @@ def compile_entry(source: Path, entry: Path, request: CompileRequest, key: dict[
         verify=verify,
         write_extra=write_key,
         draft_layers=list(request.draft_layers),
+        kv_cache_dtype=request.kv_cache_dtype,
     )
 
 

@@ -21,12 +21,18 @@ def program_manifest(program: Program, backend: str, target: str) -> dict[str, A
     }
 
 
+def cache_dtype(program: Program) -> str:
+    """The dtype the program's KV cache is kept in: its cache inputs' (int8 after the kv_cache_dtype pass), else
+    the model's."""
+    dtypes = {t.dtype for t in program.inputs if cache_layer(t.name) is not None}
+    return dtypes.pop() if len(dtypes) == 1 else program.spec.dtype
+
+
 def kv_layout_manifest(program: Program) -> dict[str, Any]:
     """The artifact's KV layout: SLOTS caches [slots, kv_heads, context, head_dim] (the block size is the
     runtime's choice), or PAGED pools [num_blocks, block_size, kv_heads, head_dim] (fixed when compiling), and the
     dtype the cache is kept in (the model's, or int8: the kv_cache_dtype pass)."""
     spec = program.spec
-    cache_dtypes = {t.dtype for t in program.inputs if cache_layer(t.name) is not None}
     paged = program.kv_layout is KVLayout.PAGED
     layout = {
         "kind": program.kv_layout.value,
@@ -36,7 +42,7 @@ def kv_layout_manifest(program: Program) -> dict[str, Any]:
         "layers": spec.num_layers,
         "kv_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
-        "dtype": cache_dtypes.pop() if len(cache_dtypes) == 1 else spec.dtype,
+        "dtype": cache_dtype(program),
     }
     if paged:
         layout["block_size"] = program.block_size

@@ -76,6 +76,7 @@ BACKENDS: dict[str, Backend] = {
         compiler=None,
         program_executor="llmlower.backends.torch.executor:program_executor",
         summary="the reference: the Program's graph run eagerly by torch (no artifact)",
+        int8_kv_targets=("cpu",),
     ),
     "onnx": Backend(
         name="onnx",
@@ -100,7 +101,7 @@ BACKENDS: dict[str, Backend] = {
         summary="Apache TVM: Relax + llmlower's paged-attention kernels, llvm (CPU) or CUDA",
         options=("cuda_arch", "cpu"),
         check="llmlower.backends.tvm.compile:check_options",
-        int8_kv_targets=("cpu",),  # the CUDA kernels take it too, but have not run on a GPU
+        int8_kv_targets=("cpu",),  # the CUDA kernels read float pools
     ),
     "mlir": Backend(
         name="mlir",

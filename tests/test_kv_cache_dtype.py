@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from llmlower.api import compile_artifact
+from llmlower.api import compile_artifact, load_engine, text_perplexity
 from llmlower.cli import main
 from llmlower.errors import ArgumentError, PassError
 from llmlower.frontend.calibration import CALIBRATION_TEXT
-from llmlower.passes import DEFAULT_PIPELINE, run_pipeline, with_kv_layout
+from llmlower.passes import DEFAULT_PIPELINE, build_pipeline, run_pipeline, with_kv_layout
 from llmlower.runtime import Engine, SamplingParams
 from llmlower.runtime.speculative import SpeculativeConfig
 from llmlower.step_io import KVLayout
@@ -111,7 +111,7 @@ def _cache_arrays(engine: Engine) -> list[np.ndarray]:
     executor = engine.executor
     if hasattr(executor, "pools"):
         return [pool.numpy() for pool in executor.pools.values()]
-    return list(executor.caches.values())
+    return [np.asarray(cache) for cache in executor.caches.values()]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -186,3 +186,44 @@ def test_what_cannot_take_an_int8_cache_is_refused_before_compiling(tiny_llama, 
         main(["compile", str(tiny_llama), "-o", str(tmp_path / "int4"), "--kv-cache-dtype", "int4"])
     assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_generate_compiles_an_int8_entry_into_the_artifact_cache(int8_artifacts, tiny_llama, tmp_path, monkeypatch):
+    """`generate MODEL --kv-cache-dtype int8` compiles MODEL once into a cache entry of its own (the float entry
+    stays), whose tokens are those of the artifact `compile --kv-cache-dtype int8` writes; an artifact takes no
+    --kv-cache-dtype (it was compiled with its own)."""
+    monkeypatch.setenv("LLMLOWER_CACHE", str(tmp_path))
+    prompt = "the cache in int8"
+    args = ["generate", str(tiny_llama), "--prompt", prompt, "--raw", "--backend", "onnx", "--quant", "none"]
+    args += ["--max-tokens", "12", "--ignore-eos", "--json"]
+    for kv_cache_dtype in ("auto", "int8"):
+        assert main([*args, "--kv-cache-dtype", kv_cache_dtype]) == 0
+    entries = {
+        json.loads((e / "manifest.json").read_text())["kv_layout"]["dtype"]: e
+        for e in (tmp_path / "artifacts").iterdir()
+        if e.is_dir()
+    }
+    assert sorted(entries) == ["float32", "int8"]
+    int8_entry = entries["int8"]
+    cached = Engine.load(int8_entry, max_context=CONTEXT).generate([prompt], GREEDY, chat=False)[0].token_ids
+    compiled = Engine.load(int8_artifacts("onnx"), max_context=CONTEXT).generate([prompt], GREEDY, chat=False)
+    assert cached == compiled[0].token_ids
+    artifact_args = ["generate", str(int8_artifacts("onnx")), "--prompt", prompt, "--kv-cache-dtype", "int8"]
+    assert main(artifact_args) == 1
+
+
+def test_the_reference_engine_and_perplexity_take_an_int8_cache(int8_artifacts, tiny_llama):
+    """The torch reference (generate --backend torch, perplexity) keeps int8 pools, gives the artifacts' tokens,
+    and its perplexity stays near the float cache's."""
+    engine = load_engine(tiny_llama, kv_cache_dtype="int8", max_context=CONTEXT)
+    assert {a.dtype for a in _cache_arrays(engine)} == {np.dtype(np.int8)}
+    prompt = _prompts(256)[3]
+    artifact = Engine.load(int8_artifacts("onnx"), max_context=CONTEXT)
+    expected = artifact.generate([prompt], GREEDY, chat=False)[0].token_ids
+    assert engine.generate([prompt], GREEDY, chat=False)[0].token_ids == expected
+    text = CALIBRATION_TEXT[::-1]  # other text than the scales were calibrated on
+    pipeline = build_pipeline(all_logits=True)
+    float_result, _ = text_perplexity(tiny_llama, text, pipeline, window=64)
+    int8_result, history = text_perplexity(tiny_llama, text, pipeline, window=64, kv_cache_dtype="int8")
+    assert history[-1]["name"] == "kv_cache_dtype"
+    assert abs(int8_result.perplexity / float_result.perplexity - 1) < 0.01
