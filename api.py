@@ -12,7 +12,6 @@ from typing import Any
 from .backends.failures import backend_errors
 from .backends.manifest import cache_dtype
 from .backends.torch import TorchExecutor
-from .backends.torch.executor import DEFAULT_BLOCK_SIZE
 from .errors import ArgumentError, LlmlowerError
 from .frontend import LoadedModel, capture, load, resolve_model
 from .frontend.calibration import calibration_ids
@@ -25,7 +24,7 @@ from .runtime.artifact import MANIFEST, check_output, draft_dir_name, draft_key,
 from .runtime.backends import BACKENDS, get_backend, load_symbol
 from .runtime.block_manager import kv_pool_blocks
 from .runtime.perplexity import PerplexityResult, check_window, perplexity
-from .step_io import KV_CACHE_DTYPES, KVLayout
+from .step_io import DEFAULT_BLOCK_SIZE, KV_CACHE_DTYPES, KVLayout
 from .verify_artifact import verify_artifact
 
 

@@ -31,6 +31,9 @@ BLOCK_TABLES = "block_tables"
 LOGITS = "logits"
 PRESENT_PREFIX = "present_"  # ONNX names each value once: the updated cache k_cache_0 is output present_k_cache_0
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block when nothing else says
+DEFAULT_SEQUENCES = 4  # an executor's KV room when no pool size is given: this many sequences of max_context
+
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8")  # compile --kv-cache-dtype (vLLM's words, fp8 aside)
 
 _CACHE_NAME = re.compile(r"([kv])_(cache|pool)_(\d+)")

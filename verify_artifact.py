@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from .backends.torch import TorchExecutor
-from .backends.torch.executor import DEFAULT_BLOCK_SIZE
 from .errors import VerificationError
 from .ir import Program
 from .progress import stage
@@ -23,6 +22,7 @@ from .runtime.artifact import read_manifest
 from .runtime.backends import get_backend
 from .runtime.executor import Executor, StepBatch, sequential_block_tables
 from .runtime.executors import executor_of, load_executor
+from .step_io import DEFAULT_BLOCK_SIZE
 
 PROMPT_LENS = (5, 9, 3)  # the prefill: three sequences of different lengths in one step
 DECODE_STEPS = 4

@@ -19,7 +19,6 @@ from ..step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, LOGITS_INDICES, PAST_
 from ..step_io import LOGITS as LOGITS  # re-exported: the program's names are the step interface's
 from ..step_io import cache_names as cache_names
 
-DIM_NAMES = ("batch", "tokens", "context", "seqs", "blocks", "pool", "logits")
 _MAX_BATCH = 4096
 _MAX_PACKED_TOKENS = 1 << 16  # a PAGED step packs every sequence's tokens into one row
 

@@ -27,6 +27,7 @@ from ..ir import (
 from ..ir.program import Program, TensorSpec, example_inputs
 from ..step_io import (
     BLOCK_TABLES,
+    DEFAULT_BLOCK_SIZE,
     INPUT_IDS,
     INPUT_LENS,
     LOGITS,
@@ -40,7 +41,6 @@ from ..step_io import (
 from .graph_utils import finish, placeholder
 from .registry import Pass, Verification, register_pass
 
-DEFAULT_BLOCK_SIZE = 16
 PAGED = {
     ATTENTION.overload: PAGED_ATTENTION.overload,
     QKV_ATTENTION.overload: PAGED_QKV_ATTENTION.overload,

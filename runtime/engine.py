@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import GenerationError, RequestFailed
 from ..spec import ModelSpec
+from ..step_io import DEFAULT_BLOCK_SIZE
 from .artifact import draft_artifact, kv_cache_dtype, read_manifest
 from .block_manager import BlockManager, kv_pool_blocks
 from .detokenizer import StreamDelta, TextStream
@@ -254,7 +255,7 @@ class Engine:
             raise GenerationError(
                 f"--block-size {config.block_size}: {artifact} was compiled for {compiled_block_size}"
             )
-        block_size = compiled_block_size or config.block_size or 16
+        block_size = compiled_block_size or config.block_size or DEFAULT_BLOCK_SIZE
         num_blocks = kv_pool_blocks(
             spec.kv_bytes_per_token(kv_cache_dtype(manifest)),
             block_size,

@@ -30,7 +30,7 @@ RANDOM_RANGE = 1e-3
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class WeightSpec:
     """One weight as the manifest lists it."""
 
     name: str
@@ -47,7 +47,7 @@ class TensorSpec:
 
 def tensor_spec(name: str, array: Any) -> dict[str, Any]:
     """The manifest entry of a weight (anything with a shape and a numpy dtype), written when compiling."""
-    return TensorSpec(name, tuple(int(d) for d in array.shape), np.dtype(array.dtype)).to_dict()
+    return WeightSpec(name, tuple(int(d) for d in array.shape), np.dtype(array.dtype)).to_dict()
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class WeightSource:
 ARTIFACT_WEIGHTS = WeightSource()  # the default: the artifact's own weights file
 
 
-def tensor_specs(artifact: Path, manifest: Mapping[str, Any]) -> list[TensorSpec]:
+def tensor_specs(artifact: Path, manifest: Mapping[str, Any]) -> list[WeightSpec]:
     """The weights `manifest` lists (field weights.tensors), checked: names, non-negative integer shapes and
     dtypes numpy knows."""
     where = f"{artifact / MANIFEST}: weights.tensors"
@@ -109,11 +109,11 @@ def tensor_specs(artifact: Path, manifest: Mapping[str, Any]) -> list[TensorSpec
                 raise ValueError
         except (TypeError, KeyError, ValueError):
             raise ArtifactError(f"{where}[{index}]: expected {{name, shape, dtype}}, found {entry!r}") from None
-        specs.append(TensorSpec(name, tuple(shape), dtype))
+        specs.append(WeightSpec(name, tuple(shape), dtype))
     return specs
 
 
-def random_tensor(spec: TensorSpec, seed: int) -> np.ndarray:
+def random_tensor(spec: WeightSpec, seed: int) -> np.ndarray:
     """The made-up values of one weight: the same for the same (seed, name)."""
     rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
     if spec.dtype.kind == "f":
@@ -127,6 +127,6 @@ def random_tensor(spec: TensorSpec, seed: int) -> np.ndarray:
     raise ArtifactError(f"weight {spec.name!r}: cannot make up values of dtype {spec.dtype.name}")
 
 
-def random_weights(specs: list[TensorSpec], seed: int) -> dict[str, np.ndarray]:
+def random_weights(specs: list[WeightSpec], seed: int) -> dict[str, np.ndarray]:
     """Made-up values of every weight, in the manifest's order."""
     return {spec.name: random_tensor(spec, seed) for spec in specs}

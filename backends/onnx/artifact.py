@@ -15,7 +15,7 @@ from ...ir.program import Program
 from ...progress import stage
 from ...runtime.artifact import write_artifact
 from ...runtime.executors.onnx_paged import COPY_BLOCKS_FILE
-from ...runtime.weights import TensorSpec
+from ...runtime.weights import WeightSpec
 from ...step_io import KVLayout
 from ..manifest import kv_layout_manifest, program_manifest
 from .copy_blocks import copy_blocks_model
@@ -33,7 +33,7 @@ def check_target(target: str) -> None:
 def external_weights(model: onnx.ModelProto) -> list[dict[str, Any]]:
     """The manifest entries of the initializers stored in the weights file (small ones stay in model.onnx)."""
     return [
-        TensorSpec(t.name, tuple(t.dims), onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).to_dict()
+        WeightSpec(t.name, tuple(t.dims), onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).to_dict()
         for t in model.graph.initializer
         if uses_external_data(t)
     ]

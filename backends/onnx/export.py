@@ -13,10 +13,10 @@ import torch
 from ...errors import LlmlowerError
 from ...ir import OPS, PAGED_ATTENTION, PAGED_QKV_ATTENTION, QKV_ATTENTION
 from ...ir.program import Program
+from ...step_io import PRESENT_PREFIX
 from .lowerings import translations
 from .paged_lowerings import PAGED_DTYPES
 
-PRESENT = "present_"
 MAX_IR_VERSION = 10  # what the onnxruntime builds we support load (they accept up to 13 at most)
 
 
@@ -84,7 +84,7 @@ def check_lowerable(program: Program) -> None:
 def output_name(name: str, input_names: list[str]) -> str:
     """ONNX names each value once: an updated cache (same name as its input in the Program) becomes
     present_<name>, as ONNX Runtime's own models name present key/values."""
-    return f"{PRESENT}{name}" if name in input_names else name
+    return f"{PRESENT_PREFIX}{name}" if name in input_names else name
 
 
 @contextlib.contextmanager

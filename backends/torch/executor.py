@@ -24,10 +24,7 @@ from ...runtime.executor import (
     step_arrays,
     step_logits,
 )
-from ...step_io import LOGITS, LOGITS_INDICES, KVLayout, cache_layer
-
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_SEQUENCES = 4  # KV room when no pool size is given: this many sequences of max_context
+from ...step_io import DEFAULT_BLOCK_SIZE, DEFAULT_SEQUENCES, LOGITS, LOGITS_INDICES, KVLayout, cache_layer
 
 
 class TorchExecutor(Executor):

@@ -9,10 +9,9 @@ from pathlib import Path
 from ...ir.program import LOGITS, Program
 from ...progress import stage
 from ...runtime.executors.tvm import TvmExecutor, pool_shapes
+from ...step_io import DEFAULT_SEQUENCES
 from .compile import compile_module, tvm_target
 from .relax_import import to_relax
-
-DEFAULT_SEQUENCES = 4  # KV room when no pool size is given: this many sequences of max_context
 
 
 def program_executor(

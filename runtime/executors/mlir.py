@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import GenerationError
-from ...step_io import LOGITS, cache_layer
+from ...step_io import DEFAULT_BLOCK_SIZE, LOGITS, cache_layer
 from ..artifact import MANIFEST, ArtifactError
 from ..executor import (
     PaddedBatch,
@@ -29,8 +29,6 @@ from ..executor import (
 )
 from ..linalg_jit import LinalgFunction
 from ..weights import ARTIFACT_WEIGHTS, WeightSource
-
-DEFAULT_BLOCK_SIZE = 16
 
 
 def refusal(manifest: dict[str, Any]) -> str | None:

@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import GenerationError
-from ...step_io import LOGITS, PRESENT_PREFIX, cache_layer
+from ...step_io import DEFAULT_BLOCK_SIZE, LOGITS, PRESENT_PREFIX, cache_layer
 from ..executor import (
     PaddedBatch,
     SlotExecutor,
@@ -41,7 +41,6 @@ OPTIMIZATION_LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
-DEFAULT_BLOCK_SIZE = 16
 
 
 # SmolLM2 q4mix decode at batch 1 on the 2-core VM (128 greedy tokens, median of 7, the settings interleaved):

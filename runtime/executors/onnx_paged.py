@@ -27,6 +27,7 @@ import onnxruntime as ort
 
 from ...errors import GenerationError
 from ...step_io import (
+    DEFAULT_SEQUENCES,
     LOGITS,
     PRESENT_PREFIX,
     KVLayout,
@@ -46,7 +47,6 @@ from ..weights import ARTIFACT_WEIGHTS, WeightSource
 from .onnx import external_initializers, run_bound, session_options
 
 CUDA = "CUDAExecutionProvider"
-DEFAULT_SEQUENCES = 4  # KV room when no pool size is given: this many sequences of max_context
 COPY_BLOCKS_FILE = "copy_blocks.onnx"  # the block-copy model's inputs besides the pools:
 SOURCES, DESTINATIONS = "sources", "destinations"  # [pairs] and [pairs, 1], int64
 
