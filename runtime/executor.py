@@ -134,6 +134,7 @@ class Executor(ABC):
     block_size: int
     num_blocks: int
     max_context: int  # the longest sequence (prompt + output) a step may reach
+    all_positions: bool  # the program returns every position's logits (no last_token_logits)
 
     @property
     def blocks_per_slot(self) -> int | None:
@@ -155,10 +156,14 @@ class Executor(ABC):
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy each (source, destination) block of every layer's cache, in order (copy-on-write, prefixes)."""
 
-    @abstractmethod
     def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
         """float32 logits [len(tokens), vocab] of every position of a fresh sequence held in the first blocks
-        (for scoring text, with nothing else running); needs a program without last_token_logits."""
+        (for scoring text, with nothing else running): one step asking for every position's logits, which needs
+        a program without last_token_logits."""
+        if not self.all_positions and len(tokens) > 1:
+            raise GenerationError("this program computes last-token logits only; compile without last_token_logits")
+        count = len(tokens)
+        return self.step(StepBatch([tokens], [0], sequential_block_tables(self, [count]), [count]))
 
     def slot_rows(self, block: int) -> tuple[int, slice, slice]:
         """SLOTS layout: where a block lives in a cache [slots, kv_heads, positions, head_dim], its slot and

@@ -20,7 +20,6 @@ from ...runtime.executor import (
     StepBatch,
     pack_batch,
     pad_batch,
-    sequential_block_tables,
     step_arrays,
     step_logits,
 )
@@ -66,13 +65,6 @@ class TorchExecutor(Executor):
         self.check_step(batch)
         outputs, arrays = self._run(batch)
         return step_logits(outputs[LOGITS].float().numpy(), arrays[LOGITS_INDICES], self.all_positions)
-
-    def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
-        if not self.all_positions and len(tokens) > 1:
-            raise GenerationError("this program computes last-token logits only; compile without last_token_logits")
-        batch = StepBatch([tokens], [0], sequential_block_tables(self, [len(tokens)]))
-        self.check_step(batch)
-        return self._run(batch)[0][LOGITS][0].float().numpy()
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         for cache in self.caches.values():

@@ -23,7 +23,6 @@ from ..executor import (
     SlotExecutor,
     StepBatch,
     pad_batch,
-    sequential_block_tables,
     step_arrays,
     step_logits,
 )
@@ -110,13 +109,6 @@ class MlirLinalgExecutor(SlotExecutor):
         self.check_step(batch)
         padded = pad_batch(batch)
         return step_logits(self._run(batch, padded), padded.logits_indices, self.all_positions)
-
-    def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
-        if not self.all_positions and len(tokens) > 1:
-            raise GenerationError("this model computes last-token logits only; compile without last_token_logits")
-        batch = StepBatch([tokens], [0], sequential_block_tables(self, [len(tokens)]))
-        self.check_step(batch)
-        return self._run(batch, pad_batch(batch))[0].astype(np.float32)
 
     def _run(self, batch: StepBatch, padded: PaddedBatch) -> np.ndarray:
         """Call the function on the step's slots up to the longest sequence, store the caches it returns;

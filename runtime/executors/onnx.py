@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ from ..executor import (
     SlotExecutor,
     StepBatch,
     pad_batch,
-    sequential_block_tables,
     step_arrays,
     step_logits,
 )
@@ -161,13 +160,6 @@ class OnnxSlotExecutor(SlotExecutor):
                 padded = pad_batch(one)
                 logits[i] = step_logits(self._run(slots[i], padded), padded.logits_indices, self.all_positions)
         return np.concatenate(logits)
-
-    def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
-        if not self.all_positions and len(tokens) > 1:
-            raise GenerationError("this model computes last-token logits only; compile without last_token_logits")
-        batch = StepBatch([tokens], [0], sequential_block_tables(self, [len(tokens)]))
-        self.check_step(batch)
-        return self._run(0, pad_batch(batch))[0].astype(np.float32)
 
     def _decode(self, slots: list[int], tokens: list[int], past: list[int]) -> np.ndarray:
         """One token for each slot in one run over the slots' whole range; logits in the given order."""

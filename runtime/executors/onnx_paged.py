@@ -39,7 +39,6 @@ from ..executor import (
     StepBatch,
     copy_rounds,
     pack_batch,
-    sequential_block_tables,
     step_arrays,
     step_logits,
 )
@@ -174,13 +173,6 @@ class OnnxPagedExecutor(Executor):
         self.check_step(batch)
         packed = pack_batch(batch)
         return step_logits(self._run(packed), packed.logits_indices, self.all_positions)
-
-    def prompt_logits(self, tokens: Sequence[int]) -> np.ndarray:
-        if not self.all_positions and len(tokens) > 1:
-            raise GenerationError("this model computes last-token logits only; compile without last_token_logits")
-        batch = StepBatch([tokens], [0], sequential_block_tables(self, [len(tokens)]))
-        self.check_step(batch)
-        return self._run(pack_batch(batch))[0].astype(np.float32)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.copier.copy(pairs)
