@@ -1,8 +1,10 @@
 """Where the time of a continuous-batching decode step goes: the engine's phases (scheduler and block manager,
-executor, sampler, detokenizer) and, for ONNX Runtime, the step's time per operator type.
+executor, sampler, detokenizer) and the model step's time per operator type (ONNX Runtime's profiler) or per
+compiled function (TVM: the Relax VM's instrument hook, timing every call it makes, kernels and VM builtins).
 
 N sequences (SmolLM2 chat prompts padded to --context tokens) decode together on an artifact; after a warm-up,
---steps decode steps are timed with the engine's methods wrapped in timers, and the ONNX session is profiled.
+--steps decode steps are timed with the engine's methods wrapped in timers, and the ONNX session is profiled; on
+TVM, --steps more steps are then run with the VM instrumented (its per-call hook adds a little to each call).
 
     .venv/bin/python benchmarks/profile_step.py ARTIFACT [--streams 16] [--context 512] [--steps 20] [--threads 2]
 """
@@ -21,6 +23,7 @@ import numpy as np
 
 from llmlower.runtime import Engine, EngineConfig, SamplingParams
 from llmlower.runtime.executors.onnx import OnnxSlotExecutor
+from llmlower.runtime.executors.tvm import TvmExecutor
 
 FILLER = "The runtime keeps a cache of keys and values so that each new token reads the past once. "
 
@@ -48,6 +51,34 @@ def operator_times(trace: Path, last_runs: int) -> dict[str, float]:
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and start <= event["ts"] <= end:
             totals[event["args"]["op_name"]] += event["dur"] / 1000 / last_runs
     return dict(totals)
+
+
+class VmCallTimes:
+    """A Relax VM instrument: seconds and calls per function it calls (kernels by their compiled names)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.started: dict[str, float] = {}
+
+    def __call__(self, func: object, name: str, before_run: bool, ret_value: object, *args: object) -> int:
+        now = time.perf_counter()
+        if before_run:
+            self.started[name] = now
+        else:
+            self.seconds[name] += now - self.started.pop(name)
+            self.calls[name] += 1
+        return 0  # carry on with the call
+
+
+def print_rows(title: str, rows: dict[str, float], steps: int, calls: dict[str, int] | None = None) -> None:
+    """The eight largest rows (milliseconds per step) with their share, and calls per step where counted."""
+    total = sum(rows.values())
+    print(f"\n{title} ({total:.1f} ms per step)")
+    print("| name | ms per step | share |" + (" calls per step |" if calls else ""))
+    print("|---|---:|---:|" + ("---:|" if calls else ""))
+    for name, ms in sorted(rows.items(), key=lambda item: -item[1])[:8]:
+        print(f"| {name} | {ms:.2f} | {ms / total:.0%} |" + (f" {calls[name] // steps} |" if calls else ""))
 
 
 def main() -> None:
@@ -94,11 +125,14 @@ def main() -> None:
         print(f"| {name} | {seconds / args.steps * 1000:.2f} | {seconds / wall:.0%} |")
     if isinstance(executor, OnnxSlotExecutor):
         ops = operator_times(Path(executor.session.end_profiling()), args.steps)
-        total = sum(ops.values())
-        print(f"\nONNX Runtime operators in a decode step ({total:.1f} ms of kernel time)")
-        print("| operator | ms per step | share |\n|---|---:|---:|")
-        for name, ms in sorted(ops.items(), key=lambda item: -item[1])[:8]:
-            print(f"| {name} | {ms:.2f} | {ms / total:.0%} |")
+        print_rows("ONNX Runtime operators in a decode step (kernel time)", ops, args.steps)
+    if isinstance(executor, TvmExecutor):
+        calls = VmCallTimes()
+        executor.vm.set_instrument(calls)
+        for _ in range(args.steps):
+            engine.step()
+        functions = {name: seconds * 1000 / args.steps for name, seconds in calls.seconds.items()}
+        print_rows("TVM functions in a decode step (instrumented)", functions, args.steps, calls.calls)
 
 
 if __name__ == "__main__":
