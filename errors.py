@@ -18,7 +18,13 @@ class PassError(LlmlowerError):
 
 
 class GenerationError(LlmlowerError):
-    """A generation request cannot be served (e.g. the prompt is longer than the context)."""
+    """A generation request cannot be served (e.g. the prompt is longer than the context). `field`: the request
+    field at fault where there is one (`top_p`, `n`, `structured_output.json`); the message starts with it, so a
+    server can name its own field instead."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class RequestFailed(GenerationError):

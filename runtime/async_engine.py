@@ -118,7 +118,8 @@ class AsyncEngine:
             await asyncio.wait_for(asyncio.to_thread(self.engine.compile_grammar, output), self.grammar_seconds)
         except TimeoutError:
             limit = f"{self.grammar_seconds:g} s"
-            raise GenerationError(f"structured_output.{output.kind}: took longer than {limit} to compile") from None
+            field = f"structured_output.{output.kind}"
+            raise GenerationError(f"{field}: took longer than {limit} to compile", field) from None
 
     async def close(self) -> None:
         """Stop the engine thread once it has finished its current step (unfinished requests are aborted)."""

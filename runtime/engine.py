@@ -398,27 +398,29 @@ class Engine:
     def _checked_prompt(self, prompt: Prompt | list[int], chat: bool, label: str, params: SamplingParams) -> list[int]:
         """The prompt's token ids, refused when the engine could never serve it."""
         if isinstance(prompt, list) and not prompt:  # neither token ids nor messages: no empty chat is made of it
-            raise GenerationError(f"{label} is empty")
+            raise GenerationError(f"{label} is empty", label)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         else:
             ids = self.prompt_token_ids(prompt, chat)
         if not ids:
-            raise GenerationError(f"{label} is empty after tokenization")
+            raise GenerationError(f"{label} is empty after tokenization", label)
         if len(ids) >= self.executor.max_context:
-            raise GenerationError(f"{label} has {len(ids)} tokens; the context holds {self.executor.max_context}")
+            context = self.executor.max_context
+            raise GenerationError(f"{label} has {len(ids)} tokens; the context holds {context}", label)
         vocab = self.spec.vocab_size
         named = {label: ids, "stop_token_ids": params.stop_token_ids, "logit_bias": list(params.logit_bias)}
         for name, tokens in named.items():  # checked now: a bad id found mid-step would fail the whole batch
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
-                raise GenerationError(f"{name} has token id {bad[0]}; the vocabulary has {vocab} tokens")
+                raise GenerationError(f"{name} has token id {bad[0]}; the vocabulary has {vocab} tokens", name)
         if params.n > self.config.max_num_seqs:
-            raise GenerationError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+            raise GenerationError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}", "n")
         if self.executor.blocks_per_slot and params.n > self.blocks.num_slots:
-            raise GenerationError(f"n={params.n} exceeds the {self.blocks.num_slots} sequences the KV pool holds")
+            raise GenerationError(f"n={params.n} exceeds the {self.blocks.num_slots} sequences the KV pool holds", "n")
         if self.blocks.blocks_needed(len(ids) + 1) > self.executor.num_blocks:
-            raise GenerationError(f"{label} has {len(ids)} tokens; the KV pool holds {self.executor.num_blocks} blocks")
+            blocks = self.executor.num_blocks
+            raise GenerationError(f"{label} has {len(ids)} tokens; the KV pool holds {blocks} blocks", label)
         if params.structured_output is not None:
             self._grammar_compiler().check(params.structured_output)
         return ids

@@ -48,7 +48,7 @@ from .structured import StructuredOutput
 
 def _fail(name: str, value: object, expected: str) -> GenerationError:
     """The one error every bad field gets: its name, what it must be, and what it was."""
-    return GenerationError(f"{name} must be {expected}, got {value!r}")
+    return GenerationError(f"{name} must be {expected}, got {value!r}", name.partition("[")[0])
 
 
 def _is_int(value: object) -> bool:
@@ -272,7 +272,7 @@ def _check_vocab(name: str, tokens: np.ndarray, vocab: int) -> None:
     """Token ids a request names or has produced must exist in the model's vocabulary."""
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
         bad = int(tokens.min() if tokens.min() < 0 else tokens.max())
-        raise GenerationError(f"{name} has token id {bad}; the vocabulary has {vocab} tokens")
+        raise GenerationError(f"{name} has token id {bad}; the vocabulary has {vocab} tokens", name)
 
 
 def _token_counts(

@@ -64,11 +64,13 @@ class StructuredOutput:
         """Check that exactly one field is set, with the right type, and that llguidance accepts it."""
         given = self._given()
         if len(given) != 1:
-            raise GenerationError(f"structured_output: exactly one of {', '.join(FIELDS)} must be set, got {given}")
+            message = f"structured_output: exactly one of {', '.join(FIELDS)} must be set, got {given}"
+            raise GenerationError(message, "structured_output")
         expected = {"json": (dict, str), "json_object": bool, "regex": str, "grammar": str}[self.kind]
         if not isinstance(getattr(self, self.kind), expected):
             kinds = "a dict or a str" if self.kind == "json" else f"a {expected.__name__}"
-            raise GenerationError(f"structured_output.{self.kind} must be {kinds}, got {getattr(self, self.kind)!r}")
+            message = f"structured_output.{self.kind} must be {kinds}, got {getattr(self, self.kind)!r}"
+            raise GenerationError(message, f"structured_output.{self.kind}")
         object.__setattr__(self, "llguidance_grammar", self._compile())
         error = llguidance().LLMatcher.validate_grammar(self.llguidance_grammar)
         if error:
@@ -86,7 +88,8 @@ class StructuredOutput:
     def error(self, message: str) -> GenerationError:
         """A GenerationError naming the field at fault, with llguidance's `message`."""
         what = {"json": "not a valid JSON schema: ", "regex": "not a valid regex: ", "grammar": "not a valid grammar: "}
-        return GenerationError(f"structured_output.{self.kind}: {what.get(self.kind, '')}{_one_line(message)}")
+        field = f"structured_output.{self.kind}"
+        return GenerationError(f"{field}: {what.get(self.kind, '')}{_one_line(message)}", field)
 
     def _compile(self) -> str:
         """llguidance's grammar text for the field that is set."""

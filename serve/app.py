@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -120,10 +119,10 @@ class Admission:
         return release
 
 
-def _param(message: str, field: str) -> str:
-    """The request field an engine error names (its first word: n, logit_bias, stop_token_ids), else `field`."""
-    first = re.match(r"[a-z_]+", message)
-    return first.group(0) if first and first.group(0) in ("n", "logit_bias", "stop_token_ids") else field
+def _param(error: GenerationError, field: str) -> str:
+    """The request field an engine error names where it is one of the request's own (n, logit_bias,
+    stop_token_ids), else `field` (the prompt's or messages' name in this request)."""
+    return error.field if error.field in ("n", "logit_bias", "stop_token_ids") else field
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -233,8 +232,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise stream_error(error) from None
         except GenerationError as error:
             message = str(error)
-            error = structured_error(message, body) or APIError(400, message, _param(message, field), "invalid_value")
-            raise error from None
+            refusal = structured_error(error, body) or APIError(400, message, _param(error, field), "invalid_value")
+            raise refusal from None
         formatter = Formatter(tokenizer, config.model_name, chat, params.n)
         timer = deadline(stream, release)
         if body.stream:

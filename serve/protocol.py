@@ -10,7 +10,6 @@ not have (tools, suffix, echo, best_of) are refused rather than ignored.
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Any, Literal
@@ -173,8 +172,7 @@ def sampling_params(request: CompletionRequest | ChatRequest, max_tokens: int) -
     try:
         return SamplingParams(**fields)
     except GenerationError as error:
-        first = re.match(r"[a-z_]+", str(error))
-        param = first.group(0) if first and first.group(0) in fields else None
+        param = error.field if error.field in fields else None
         if param == "max_tokens" and isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
             param = "max_completion_tokens"
         raise APIError(400, str(error), param, "invalid_value") from None
@@ -222,18 +220,16 @@ def structured_output(request: SamplingFields) -> StructuredOutput | None:
     try:
         return StructuredOutput(**asked[0])
     except GenerationError as error:  # a bad field, or no llguidance installed
-        message = str(error)
-        raise structured_error(message, request) or APIError(400, message, asked[1], "unsupported") from None
+        raise structured_error(error, request) or APIError(400, str(error), asked[1], "unsupported") from None
 
 
-def structured_error(message: str, request: SamplingFields) -> APIError | None:
-    """An engine error about a request's structured output ("structured_output.json: ...") as a 400 naming the
-    request's own field; None for any other error."""
+def structured_error(error: GenerationError, request: SamplingFields) -> APIError | None:
+    """An engine error about a request's structured output (its field structured_output or structured_output.json,
+    which its message starts with) as a 400 naming the request's own field; None for any other error."""
     asked = _structured(request)
-    found = re.match(r"structured_output(\.[a-z_]+)?", message)
-    if asked is None or found is None:
+    if asked is None or not (error.field or "").startswith("structured_output"):
         return None
-    return APIError(400, asked[1] + message[found.end() :], asked[1], "invalid_value")
+    return APIError(400, asked[1] + str(error)[len(error.field) :], asked[1], "invalid_value")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
