@@ -92,19 +92,23 @@ def test_values_are_normalised_and_replace_revalidates():
     ],
 )
 def test_invalid_parameters_name_the_field_and_the_range(field, value, expected):
+    """The message starts with the field, which the error also carries (a server names it as the bad param)."""
     with pytest.raises(GenerationError, match=f"^{field}") as error:
         SamplingParams(**{field: value})
     assert repr(value) in str(error.value)
     assert error.match(expected)
+    assert error.value.field == field
 
 
 def test_invalid_combinations_and_bias_values():
-    with pytest.raises(GenerationError, match=r"min_tokens must be <= max_tokens \(4\), got 5"):
+    with pytest.raises(GenerationError, match=r"min_tokens must be <= max_tokens \(4\), got 5") as error:
         SamplingParams(min_tokens=5, max_tokens=4)
+    assert error.value.field == "min_tokens"
     with pytest.raises(GenerationError, match="top_logprobs .* unless logprobs"):
         SamplingParams(top_logprobs=3)
-    with pytest.raises(GenerationError, match=r"logit_bias\[2\] .* \[-100, 100\]"):
+    with pytest.raises(GenerationError, match=r"logit_bias\[2\] .* \[-100, 100\]") as error:
         SamplingParams(logit_bias={2: 101.0})
+    assert error.value.field == "logit_bias"
 
 
 def test_token_ids_outside_the_vocabulary_are_rejected():
