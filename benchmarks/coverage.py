@@ -9,7 +9,6 @@ the one-line reason it does not compile.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,9 +16,7 @@ from llmlower.api import compile_artifact
 from llmlower.errors import LlmlowerError
 from llmlower.progress import stage
 from llmlower.runtime import Engine, SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from conftest import TINY_CONFIGS, transformers_greedy, write_tiny_checkpoint  # noqa: E402
+from llmlower.testing import TINY_CONFIGS, transformers_greedy, write_tiny_checkpoint
 
 BACKENDS = ("onnx", "tvm", "mlir")
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):", "keys and values", "東京"]

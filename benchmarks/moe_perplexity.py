@@ -34,13 +34,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from quant_sensitivity import measure, print_table, with_overrides  # noqa: E402
 
 from llmlower.frontend import example_checkpoint
 from llmlower.passes import build_pipeline
 from llmlower.passes.manager import PassSpec
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_sensitivity import measure, print_table, with_overrides  # noqa: E402
 
 CALIBRATION_MODULES = ("argparse", "collections", "dataclasses", "difflib", "functools", "itertools", "json")
 CALIBRATION_MODULES += ("logging", "pathlib", "re", "statistics", "textwrap", "typing", "unittest", "email")

@@ -20,10 +20,8 @@ step, with the same decode unconstrained for the sampler's own time.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 from profile_step import timed
@@ -34,9 +32,7 @@ from llmlower.runtime.artifact import is_artifact, read_manifest
 from llmlower.runtime.detokenizer import eos_token_ids
 from llmlower.runtime.sampling import Sampler, SequenceSampling, allowed_tokens
 from llmlower.runtime.structured import Constraint, GrammarCompiler, StructuredOutput
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from conftest import EOS, VOCAB, build_tokenizer  # noqa: E402  (the tests' tiny tokenizer)
+from llmlower.testing import EOS, VOCAB, build_tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,8 @@ import pytest
 import safetensors.numpy
 from onnx.external_data_helper import uses_external_data
 
+from benchmarks.device_check.carried import BUDGET, carried_size
+from benchmarks.device_check.runtime_site import build_site
 from llmlower.api import compile_artifact
 from llmlower.errors import ArgumentError, GenerationError
 from llmlower.passes import build_pipeline
@@ -23,10 +24,6 @@ from llmlower.runtime import Engine, StepBatch, sequential_block_tables
 from llmlower.runtime.artifact import ArtifactError, read_manifest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks" / "device_check"))
-
-from carried import BUDGET, carried_size  # noqa: E402
-from runtime_site import build_site  # noqa: E402
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="building for cuda needs nvcc (CUDA toolkit)")
 # (backend, target, quant) of the tiny Llama's artifacts

@@ -24,25 +24,22 @@ import functools
 import gc
 import json
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from carried import BUDGET, carried_size
+from runtime_site import build_site
+
+from llmlower.api import compile_artifact, compile_program
+from llmlower.passes import build_pipeline
+from llmlower.roofline.cost import step_cost
+from llmlower.roofline.shapes import decode_step
+from llmlower.runtime.artifact import FORMAT_VERSION, read_manifest
+from llmlower.testing import CHATML, build_tokenizer, write_tiny_checkpoint
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path[:0] = [str(HERE), str(REPO / "tests")]
-
-from carried import BUDGET, carried_size  # noqa: E402
-from conftest import CHATML, build_tokenizer, write_tiny_checkpoint  # noqa: E402  (the tests' tiny Llama)
-from runtime_site import build_site  # noqa: E402
-
-from llmlower.api import compile_artifact, compile_program  # noqa: E402
-from llmlower.passes import build_pipeline  # noqa: E402
-from llmlower.roofline.cost import step_cost  # noqa: E402
-from llmlower.roofline.shapes import decode_step  # noqa: E402
-from llmlower.runtime.artifact import FORMAT_VERSION, read_manifest  # noqa: E402
-
 WORK = REPO / "build" / "device-check"  # git-ignored (and skipped by ruff): checkpoints, artifacts, wheels
 BUNDLE = WORK.relative_to(REPO) / "bundle"  # relative to the repository root: the run's carry path
 DEVICE_PYTHON = "cp312"
