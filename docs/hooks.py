@@ -78,14 +78,26 @@ def pass_reference() -> str:
     for name, registered in PASSES.items():
         where = "in the default pipeline" if name in DEFAULT_PIPELINE else "not in the default pipeline"
         tolerance = registered.tolerance if not callable(registered.tolerance) else "depends on its options"
-        heading = f"### `{name}`\n\n*{capitalized(registered.summary)}* ({where}; `--verify` tolerance: {tolerance})"
-        sections.append(f"{heading}\n\n{registered.explain}")
+        summary = literal(capitalized(registered.summary))
+        heading = f"### `{name}`\n\n*{summary}* ({where}; `--verify` tolerance: {tolerance})"
+        sections.append(f"{heading}\n\n{literal(registered.explain)}")
     return "\n\n".join(sections) + "\n"
 
 
 def table_cell(text: str) -> str:
-    """Text that stays inside one markdown table cell."""
-    return " ".join(text.split()).replace("|", "\\|")
+    """Plain text that stays inside one markdown table cell."""
+    return literal(" ".join(text.split())).replace("|", "\\|")
+
+
+def literal(text: str) -> str:
+    """Plain text (help strings, pass explanations) as markdown that shows it as written: `k_cache_<i>` must not
+    open an HTML tag, nor `x*1 ... y*2` an emphasis. Spans in backticks stay code, as written."""
+    parts = text.split("`")
+    for index in range(0, len(parts), 2):  # the parts outside backticks
+        for char in "\\*_[]":
+            parts[index] = parts[index].replace(char, "\\" + char)
+        parts[index] = parts[index].replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts)
 
 
 def capitalized(text: str) -> str:
