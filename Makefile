@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TEST_WORKERS ?= 2
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo test lint format install
+.PHONY: demo test docs lint format install
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,12 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(MAKE) docs
+
+# The documentation site, into build/site; the CLI and pass reference pages are generated from the code
+# (docs/hooks.py), and every warning (a broken link, a page missing from nav) fails the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 lint: install
 	$(VENV)/bin/ruff check .

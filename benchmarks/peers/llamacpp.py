@@ -1,4 +1,5 @@
-"""Decode speed and TTFT of llama.cpp (llama-cpp-python) on token prompts; prints one JSON line (see README.md).
+"""Decode speed and TTFT of llama.cpp (llama-cpp-python) on token prompts; prints one JSON line
+(see docs/benchmarks.md).
 
 .venv-llamacpp/bin/python llamacpp.py --model FILE.gguf --prompts P.json [--new-tokens N] [--repeats N] [--threads N]
 """

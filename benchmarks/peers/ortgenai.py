@@ -1,4 +1,4 @@
-"""Decode speed and TTFT of ONNX Runtime GenAI on token prompts; prints one JSON line (see README.md).
+"""Decode speed and TTFT of ONNX Runtime GenAI on token prompts; prints one JSON line (see docs/benchmarks.md).
 
 .venv-ortgenai/bin/python ortgenai.py --model DIR --prompts P.json [--new-tokens N] [--repeats N] [--threads N]
 """

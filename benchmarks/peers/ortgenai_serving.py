@@ -1,4 +1,4 @@
-"""ONNX Runtime GenAI serving N client streams with static batches, for benchmarks/serving.py (see README.md).
+"""ONNX Runtime GenAI serving N client streams with static batches, for benchmarks/serving.py (see docs/benchmarks.md).
 
 ORT GenAI on the CPU runs one static batch per Generator: no request joins a batch once it has started. So the
 requests are served in waves: take up to --max-batch requests that have arrived (oldest first), prefill them as one

@@ -1,6 +1,6 @@
 """Decode speed, TTFT and offline throughput of vLLM's CPU build on token prompts; prints one JSON line (see
-README.md). Offline: OFFLINE_REQUESTS prompts of OFFLINE_PROMPT tokens (cut from the longest prompt), all submitted
-at once, OFFLINE_NEW greedy tokens each: output tokens / wall time, the median over repeats.
+docs/benchmarks.md). Offline: OFFLINE_REQUESTS prompts of OFFLINE_PROMPT tokens (cut from the longest prompt), all
+submitted at once, OFFLINE_NEW greedy tokens each: output tokens / wall time, the median over repeats.
 
 .venv-vllm/bin/python vllm_offline.py --model CHECKPOINT --prompts P.json [--new-tokens N] [--repeats N] [--threads N]
 """
