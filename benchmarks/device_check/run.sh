@@ -8,10 +8,10 @@
 # weights, the tiny Llama with weights, plan.json) and checks the tree + bundle against 60 MiB. Then the run
 # tool's call, from the repository root:
 #   run(command="bash benchmarks/device_check/run.sh", carry=["build/device-check/bundle"], timeout_s=540)
-# Installs nothing: llmlower is this tree (imported through a symlink named llmlower in a temporary folder) and
-# TVM's runtime the bundle's site/ (on PYTHONPATH). Each phase is its own process under a time limit, so a hang
-# or a crash costs only that phase; all of them together stay under 8 minutes. Progress and results are printed
-# and written to $OUT (device-check.txt, device-check.json, phases/*.json).
+# Installs nothing: llmlower is this tree's src/ and TVM's runtime the bundle's site/ (both on PYTHONPATH).
+# Each phase is its own process under a time limit, so a hang or a crash costs only that phase; all of them
+# together stay under 8 minutes. Progress and results are printed and written to $OUT (device-check.txt,
+# device-check.json, phases/*.json).
 #
 # On a machine without a GPU it runs too (env reports no CUDA device; agree and speed fail by name), which is
 # how its CPU parts are checked here: BUNDLE=... OUT=... bash benchmarks/device_check/run.sh
@@ -26,10 +26,8 @@ if [ ! -f "$BUNDLE/plan.json" ]; then
 fi
 BUNDLE=$(cd "$BUNDLE" && pwd)
 mkdir -p "$OUT"
-LINK=$(mktemp -d)
-ln -s "$PWD" "$LINK/llmlower"
 # TVM_FFI_DISABLE_TORCH_C_DLPACK: tvm_ffi would otherwise JIT-compile a torch extension when torch is present
-export PYTHONPATH="$LINK:$BUNDLE/site${PYTHONPATH:+:$PYTHONPATH}" TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src:$BUNDLE/site${PYTHONPATH:+:$PYTHONPATH}" TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
 
 phase() {  # phase SECONDS ARGS...: one check.py phase, killed after SECONDS
   local limit=$1
@@ -49,4 +47,3 @@ for name in $("$PY" -c 'import json, sys; print(" ".join(json.load(open(sys.argv
 done
 phase 20 summary
 echo "device check: $((SECONDS - started))s; report in $OUT" | tee -a "$OUT/device-check.txt"
-rm -rf "$LINK"
