@@ -181,7 +181,7 @@ def parse_port(text: str) -> int:
 
 def _sampling_params(args: argparse.Namespace) -> Any:
     """SamplingParams from the flags given (each named after its field); invalid values name the field."""
-    from .runtime.sampling import SamplingParams
+    from .runtime.sampling_params import SamplingParams
 
     given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
     if "logit_bias" in given:
@@ -525,7 +525,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         "once and cached under $LLMLOWER_CACHE/artifacts (default ~/.cache/llmlower); torch, the reference (not "
         "compiled)",
     )
-    group = parser.add_argument_group("sampling (see llmlower.runtime.sampling.SamplingParams)")
+    group = parser.add_argument_group("sampling (see llmlower.runtime.sampling_params.SamplingParams)")
     for name, options in SAMPLING_FLAGS.items():
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, **options)
     structured = "(needs llmlower[structured])"
