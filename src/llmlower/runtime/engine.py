@@ -31,7 +31,7 @@ from .intake import RequestIntake, params_per_prompt
 from .output_processor import OutputProcessor
 from .outputs import GenerationDelta, GenerationResult
 from .proposers import make_proposer
-from .request import Prompt, Request
+from .request import Prompt
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -163,8 +163,12 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         """Queue a request (a prompt, a conversation, or token ids); returns its id. Its deltas come from step()."""
+        params = params or SamplingParams()
         with self._driving():
-            return self._add(prompt, params or SamplingParams(), chat, request_id, None, "prompt").request_id
+            ids = self.intake.checked_prompt(prompt, chat, "prompt", params)
+            request = self.intake.request(ids, params, request_id)
+            self.core.add(request)
+            return request.request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; False if it is unknown or already finished."""
@@ -209,7 +213,9 @@ class Engine:
         with self._driving():
             pairs = list(zip(prompts, params, strict=True))
             encoded = [self.intake.checked_prompt(p, chat, f"prompts[{i}]", sp) for i, (p, sp) in enumerate(pairs)]
-            requests = [self._add(ids, sp, False, None, deque(), "") for ids, sp in zip(encoded, params, strict=True)]
+            requests = [self.intake.request(ids, sp, outbox=deque()) for ids, sp in zip(encoded, params, strict=True)]
+            for request in requests:
+                self.core.add(request)
         try:
             while True:
                 while any(request.outbox for request in requests):  # another generator may step while we yield
@@ -241,18 +247,3 @@ class Engine:
             yield
         finally:
             self._driver.release()
-
-    def _add(
-        self,
-        prompt: Prompt | list[int],
-        params: SamplingParams,
-        chat: bool,
-        request_id: str | None,
-        outbox: deque | None,
-        label: str,
-    ) -> Request:
-        """Check and tokenize a prompt (named `label` in errors; an empty label: ids checked already) and queue it."""
-        ids = prompt if not label else self.intake.checked_prompt(prompt, chat, label, params)
-        request = self.intake.request(ids, params, request_id, outbox)
-        self.core.add(request)
-        return request

@@ -1,8 +1,9 @@
 """The engine core: one step of the batch. The scheduler picks the sequences (continuous batching with chunked
 prefill, admission by free KV blocks, preemption by recompute), the proposer guesses tokens when speculating, the
-executor runs them as one step, and every sequence whose prompt is done gets its next tokens sampled (or its
-guesses verified) and handed to the output processor. A request with n > 1 completions prefills its prompt once;
-the other completions then share its blocks. A request whose step or tokens fail ends alone, with an error delta.
+executor runs them as one step, and every sequence whose prompt is done gets its next tokens sampled or its
+guesses verified (runtime/token_choice.py) and handed to the output processor. A request with n > 1 completions
+prefills its prompt once; the other completions then share its blocks. A request whose step or tokens fail ends
+alone, with an error delta.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from .proposers import Proposer
 from .request import Request, RequestSequence
 from .sampler import Sampler
 from .scheduler import ScheduledSequence, Scheduler
-from .speculative import Proposal, SpeculationStats, verify
+from .speculative import Proposal, SpeculationStats
+from .token_choice import Choice, Chosen, choose_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +49,6 @@ class EngineStats:
     steps: int
     finished: dict[str, int]  # completions finished, by reason: "stop", "length" or "abort"
     speculation: SpeculationStats | None = None  # with speculative decoding: proposed and accepted tokens
-
-
-@dataclass
-class _Choice:
-    """A sequence whose next tokens are chosen this step: its logits rows (one, or one per proposed token plus
-    one), its proposal, and the grammar's masks along it."""
-
-    sequence: RequestSequence
-    logits: np.ndarray
-    proposal: Proposal
-    masks: list[np.ndarray | None] | None
 
 
 class EngineCore:
@@ -180,7 +171,7 @@ class EngineCore:
     ) -> list[GenerationDelta]:
         """Advance the scheduled sequences by what they computed; the ones whose prompt is done choose tokens."""
         ends = np.cumsum([len(p.tokens) + 1 for p in proposals])
-        choices: list[_Choice] = []
+        choices: list[Choice] = []
         for item, proposal, mask, end in zip(scheduled, proposals, masks, ends.tolist(), strict=True):
             sequence: RequestSequence = item.sequence  # type: ignore[assignment]
             request = sequence.request
@@ -191,12 +182,12 @@ class EngineCore:
             if sequence.num_uncomputed:
                 continue  # a prompt chunk: nothing to sample yet
             rows = logits[end - len(proposal.tokens) - 1 : end]
-            choices.append(_Choice(sequence, rows, proposal, mask))
+            choices.append(Choice(sequence, rows, proposal, mask))
             for fork in request.forks:  # the prompt is done: the other completions share its blocks
                 self.blocks.fork(sequence.seq_id, fork.seq_id)
                 fork.num_computed = sequence.num_computed
                 self.scheduler.add_running(fork)
-                choices.append(_Choice(fork, rows, Proposal(), None))
+                choices.append(Choice(fork, rows, Proposal(), None))
             request.forks = []
         if not choices:
             return []
@@ -224,10 +215,10 @@ class EngineCore:
                 proposal.truncate(kept)
         return proposals, masks
 
-    def _accept(self, choices: list[_Choice], now: float) -> list[GenerationDelta]:
+    def _accept(self, choices: list[Choice], now: float) -> list[GenerationDelta]:
         """Choose each sequence's next tokens (sample, or verify its proposal) and stream them; finished
         sequences leave the batch. A request whose tokens cannot be chosen or streamed fails alone."""
-        emitted, failed = self._chosen(choices)
+        emitted, failed = choose_tokens(self.sampler, choices, self.speculation)
         returned: list[GenerationDelta] = []
         for choice, tokens in zip(choices, emitted, strict=True):
             if tokens is None or choice.sequence.request.done:  # failed, or its request failed with another choice
@@ -240,64 +231,7 @@ class EngineCore:
             returned += self._fail([choice.sequence.request], "choosing its tokens", exc)
         return returned
 
-    def _chosen(self, choices: list[_Choice]) -> tuple[list[list | None], list[tuple[_Choice, Exception]]]:
-        """Each choice's (token, logprob) pairs, chosen together; when that fails, each is chosen alone, so only
-        the choices that fail alone fail (None, with their exception)."""
-        try:
-            return self._choose(choices), []
-        except Exception as exc:
-            if len(choices) == 1:
-                return [None], [(choices[0], exc)]
-        emitted: list[list | None] = []
-        failed: list[tuple[_Choice, Exception]] = []
-        for choice in choices:
-            tokens, error = self._chosen([choice])
-            emitted += tokens
-            failed += error
-        return emitted, failed
-
-    def _choose(self, choices: list[_Choice]) -> list[list[tuple[int, TokenLogprob | None]]]:
-        """Sample the plain choices and verify the speculative ones, in one batch each."""
-        emitted: list[list[tuple[int, TokenLogprob | None]]] = [[] for _ in choices]
-        plain = [i for i, c in enumerate(choices) if not c.proposal.tokens]
-        if plain:
-            sequences = [choices[i].sequence for i in plain]
-            chosen = self.sampler.sample(
-                np.concatenate([choices[i].logits for i in plain]),
-                [s.sampling for s in sequences],
-                [s.token_ids[: s.prompt_len] for s in sequences],
-                [s.output for s in sequences],
-                [s.constraint.mask() if s.constraint is not None else None for s in sequences],
-            )
-            for row, i in enumerate(plain):
-                token, logprob = int(chosen.token_ids[row]), chosen.logprobs[row]
-                top = chosen.top_logprobs[row] or []
-                emitted[i] = [(token, None if logprob is None else TokenLogprob(token, logprob, top))]
-        speculated = [i for i, c in enumerate(choices) if c.proposal.tokens]
-        if speculated:
-            picked = [choices[i] for i in speculated]
-            verified = verify(
-                self.sampler,
-                np.concatenate([c.logits for c in picked]),
-                [c.proposal for c in picked],
-                [c.sequence.sampling for c in picked],
-                [c.sequence.token_ids[: c.sequence.prompt_len] for c in picked],
-                [c.sequence.output for c in picked],
-                None if all(c.masks is None for c in picked) else [c.masks or [None] * len(c.logits) for c in picked],
-            )
-            for i, choice, result in zip(speculated, picked, verified, strict=True):
-                choice.sequence.speculation.record(len(choice.proposal.tokens), result.accepted)
-                choice.sequence.lookahead = result.accepted + 1  # grows while guesses are kept, 1 after a miss
-                self.speculation.record(len(choice.proposal.tokens), result.accepted)
-                logprobs = result.logprobs or [None] * len(result.tokens)
-                tops = result.top_logprobs or [[]] * len(result.tokens)
-                emitted[i] = [
-                    (t, None if lp is None else TokenLogprob(t, lp, top))
-                    for t, lp, top in zip(result.tokens, logprobs, tops, strict=True)
-                ]
-        return emitted
-
-    def _stream(self, choice: _Choice, tokens: list, now: float) -> list[GenerationDelta]:
+    def _stream(self, choice: Choice, tokens: Chosen, now: float) -> list[GenerationDelta]:
         """Append a choice's tokens to its sequence and stream them (to its caller's outbox, or returned)."""
         returned: list[GenerationDelta] = []
         sequence = choice.sequence

@@ -93,9 +93,14 @@ class RequestIntake:
         self.grammar_compiler().check(output)
 
     def request(
-        self, ids: list[int], params: SamplingParams, request_id: str | None, outbox: deque[GenerationDelta] | None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        outbox: deque[GenerationDelta] | None = None,
     ) -> Request:
-        """A request of checked prompt ids with its n sequences (the first to schedule, the others its forks)."""
+        """A request of checked prompt ids with its n sequences (the first to schedule, the others its forks);
+        `outbox` keeps the deltas of a generate/stream call."""
         request_id = request_id or f"req-{next(self._request_ids)}"
         request = Request(request_id, list(ids), params, time.perf_counter(), outbox=outbox)
         output = params.structured_output
