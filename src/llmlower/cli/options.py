@@ -17,8 +17,6 @@ VERIFY_HELP = (
     "check each pass numerically against the one before, then the built artifact, run by its own runtime, against "
     "the torch reference (refused beyond its backend's tolerance)"
 )
-
-
 MODEL_HELP = "a checkpoint directory, a .gguf file, 'example' (SmolLM2-135M-Instruct) or (generate) an artifact"
 DEFAULT_STEP_TOKENS = EngineConfig.max_num_batched_tokens
 DEFAULT_SPECULATIVE_TOKENS = 4
@@ -34,6 +32,7 @@ def parse_bytes(text: str) -> int:
 
 
 def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
+    """--passes, --quant and the other pass pipeline options, --dtype and --kv-cache-dtype."""
     parser.add_argument("--passes", help="comma-separated passes (default: the default pipeline; see `passes`)")
     parser.add_argument(
         "--quant",
