@@ -47,7 +47,7 @@ from artifacts import ensure_artifact
 
 from llmlower.frontend.example import cache_dir, example_checkpoint
 from llmlower.runtime import Engine
-from llmlower.runtime.sampling import SamplingParams
+from llmlower.runtime.sampling_params import SamplingParams
 from llmlower.runtime.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -111,7 +111,7 @@ def main() -> int:
         config = EngineConfig(max_num_seqs=1, max_context=1024, speculative=speculative)
         engine = Engine.load(artifact, config, threads=args.threads)
         for workload, prompts in WORKLOADS.items():
-            engine.speculation = SpeculationStats()  # acceptance per workload
+            engine.core.speculation = SpeculationStats()  # acceptance per workload
             measured = run(engine, prompts, params, args.repeats)
             if method == "none":
                 baseline[workload] = measured

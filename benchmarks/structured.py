@@ -30,7 +30,7 @@ from llmlower.frontend.example import example_checkpoint
 from llmlower.runtime import Engine, SamplingParams, Tokenizer
 from llmlower.runtime.artifact import is_artifact, read_manifest
 from llmlower.runtime.detokenizer import eos_token_ids
-from llmlower.runtime.sampling import Sampler, SequenceSampling, allowed_tokens
+from llmlower.runtime.sampler import Sampler, SequenceSampling, allowed_tokens
 from llmlower.runtime.structured import Constraint, GrammarCompiler, StructuredOutput
 from llmlower.testing import EOS, VOCAB, build_tokenizer
 

@@ -13,7 +13,7 @@ from llmlower.backends.torch import TorchExecutor
 from llmlower.frontend import capture, load, resolve_model
 from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
 from llmlower.runtime import Engine, Tokenizer
-from llmlower.runtime.sampling import SamplingParams
+from llmlower.runtime.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ import pytest
 from llmlower.cli import main
 from llmlower.runtime import Engine
 from llmlower.runtime.artifact import FORMAT_VERSION, ArtifactError, write_artifact
-from llmlower.runtime.sampling import SamplingParams
+from llmlower.runtime.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

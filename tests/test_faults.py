@@ -146,7 +146,7 @@ def _completion(url: str, prompt: str) -> str:
 
 def test_an_executor_fault_reaches_streams_as_an_error_event_and_others_as_a_500(engine):
     executor = FailingExecutor(engine.executor, fail_at=0)  # no fault yet
-    engine.executor = executor
+    engine.core.executor = executor  # the engine core runs the steps
     with _live(engine) as url:
         alone = [_completion(url, prompt) for prompt in PROMPTS]
         executor.fail_at, executor.steps = 3, 0

@@ -12,7 +12,7 @@ import transformers
 from llmlower.api import load_engine
 from llmlower.errors import GenerationError
 from llmlower.runtime import Engine, StepBatch, Tokenizer, pad_batch
-from llmlower.runtime.sampling import SamplingParams
+from llmlower.runtime.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from llmlower.errors import GenerationError
-from llmlower.runtime.sampling import Sampler, SamplingParams, SequenceSampling, log_softmax
+from llmlower.runtime.sampler import Sampler, SequenceSampling, log_softmax
+from llmlower.runtime.sampling_params import SamplingParams
 
 EOS = 7
 

@@ -18,7 +18,7 @@ from llmlower.frontend import example_gguf, load
 from llmlower.passes import build_pipeline, parse_quant, run_pipeline
 from llmlower.runtime import Engine, GenerationResult
 from llmlower.runtime.perplexity import PerplexityResult, perplexity
-from llmlower.runtime.sampling import SamplingParams
+from llmlower.runtime.sampling_params import SamplingParams
 from llmlower.runtime.speculative import SpeculativeConfig
 
 PROMPTS = [

@@ -18,7 +18,7 @@ from llmlower.errors import GenerationError
 from llmlower.runtime import Engine, SamplingParams
 from llmlower.runtime.artifact import ArtifactError
 from llmlower.runtime.proposers import NgramProposer
-from llmlower.runtime.sampling import Sampler, SequenceSampling
+from llmlower.runtime.sampler import Sampler, SequenceSampling
 from llmlower.runtime.speculative import Proposal, SpeculativeConfig, verify
 from llmlower.runtime.structured import StructuredOutput
 

@@ -18,7 +18,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from llmlower.api import load_engine
 from llmlower.errors import GenerationError
 from llmlower.runtime import AsyncEngine, SamplingParams, Tokenizer
-from llmlower.runtime.sampling import Sampler, SequenceSampling, allowed_tokens
+from llmlower.runtime.sampler import Sampler, SequenceSampling, allowed_tokens
 from llmlower.runtime.structured import GrammarCompiler, StructuredOutput
 
 EOS = 4

@@ -2,18 +2,11 @@
 neither torch nor transformers."""
 
 from .async_engine import AsyncEngine
-from .engine import (
-    Engine,
-    EngineConfig,
-    EngineStats,
-    GenerationDelta,
-    GenerationResult,
-    Timing,
-    TokenLogprob,
-    Usage,
-)
+from .engine import Engine, EngineConfig
+from .engine_core import EngineStats
 from .executor import Executor, PackedBatch, PaddedBatch, StepBatch, pack_batch, pad_batch, sequential_block_tables
-from .sampling import SamplingParams
+from .outputs import GenerationDelta, GenerationResult, Timing, TokenLogprob, Usage
+from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
 __all__ = [

@@ -20,8 +20,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..errors import GenerationError, RequestFailed
-from .engine import Engine, EngineStats, GenerationDelta, GenerationResult, Prompt, params_per_prompt
-from .sampling import SamplingParams
+from .engine import Engine
+from .engine_core import EngineStats
+from .intake import params_per_prompt
+from .outputs import GenerationDelta, GenerationResult
+from .request import Prompt
+from .sampling_params import SamplingParams
 from .structured import StructuredOutput
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import GenerationError
 from .executor import Executor, StepBatch
-from .sampling import Sampler, SequenceSampling
+from .sampler import Sampler, SequenceSampling
 from .speculative import Proposal, SpeculativeConfig
 
 

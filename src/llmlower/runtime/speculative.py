@@ -13,7 +13,7 @@ them: row j is the target's distribution p_j for the token after the pending one
   then distributed exactly as the target's p, whatever q is. A proposer without a distribution (prompt lookup)
   proposes a point mass: q_j is one-hot at d_j.
 
-p_j is the sampler's final distribution (runtime/sampling.py: structured-output mask, penalties over the output
+p_j is the sampler's final distribution (runtime/sampler.py: structured-output mask, penalties over the output
 so far including d_1..d_j, temperature, top-k/p, min-p), so speculation changes no sampling parameter's meaning.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import GenerationError
-from .sampling import Processed, Sampler, SequenceSampling, plain_greedy
+from .sampler import Processed, Sampler, SequenceSampling, plain_greedy
 
 METHODS = ("ngram", "draft", "self")
 

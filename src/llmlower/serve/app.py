@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -26,21 +25,19 @@ from ..errors import GenerationError, RequestFailed
 from ..runtime import AsyncEngine, GenerationResult, SamplingParams
 from ..runtime.async_engine import RequestStream
 from . import errors
-from .errors import APIError
-from .limits import LimitExceeded, RequestLimits
-from .metrics import Metrics
-from .protocol import (
+from .engine_params import (
     COMPLETIONS_MAX_TOKENS,
-    ChatRequest,
-    CompletionRequest,
-    Formatter,
     completion_prompts,
     grammar_source,
     sampling_params,
     structured_error,
     top_logprobs,
-    usage,
 )
+from .errors import APIError
+from .limits import LimitExceeded, RequestLimits
+from .metrics import Metrics
+from .responses import Formatter, sse, usage
+from .schemas import ChatRequest, CompletionRequest
 
 
 @dataclass(frozen=True)
@@ -333,10 +330,6 @@ def stream_error(error: GenerationError) -> APIError:
     if isinstance(error, RequestTimedOut):
         return APIError(408, str(error), None, "request_timeout")
     return APIError(500, str(error), None, "engine_error")
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 async def disconnected(request: Request) -> None:

@@ -1,0 +1,7 @@
+"""`python -m llmlower.cli`: the `llmlower` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

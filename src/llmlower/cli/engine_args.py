@@ -1,0 +1,155 @@
+"""What the shared options build: the pass pipeline, the EngineConfig, SamplingParams (with a structured output),
+the compile request of a model, and the Engine a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..compile_cache import RECOMMENDED_QUANT, CompileRequest, load_compiled
+from ..errors import LlmlowerError
+from ..runtime import EngineConfig
+from .options import DEFAULT_SPECULATIVE_TOKENS, DEFAULT_STEP_TOKENS, SAMPLING_FLAGS
+
+
+def pass_pipeline(args: argparse.Namespace, all_logits: bool = False, default_quant: str = "none") -> list:
+    """The pass list the pipeline flags ask for (`default_quant` unless --quant)."""
+    from ..passes import build_pipeline
+
+    quant = args.quant or default_quant
+    return build_pipeline(
+        args.passes, quant, args.keep, args.quant_embedding, all_logits=all_logits, lm_head_bits=args.lm_head_bits
+    )
+
+
+def check_artifact_options(args: argparse.Namespace) -> None:
+    """An artifact was compiled with its pipeline and dtype: options that would change them are an error."""
+    from ..runtime.artifact import is_artifact
+
+    if not is_artifact(args.model):
+        return
+    options = {
+        "--backend": getattr(args, "backend", None),
+        "--passes": args.passes,
+        "--quant": args.quant not in (None, "none"),
+        "--keep": args.keep,
+        "--quant-embedding": args.quant_embedding,
+        "--lm-head-bits": args.lm_head_bits,
+        "--dtype": args.dtype,
+        "--kv-cache-dtype": args.kv_cache_dtype != "auto",
+        "--verify": getattr(args, "verify", False),
+    }
+    given = [flag for flag, value in options.items() if value]
+    if given:
+        raise LlmlowerError(f"{args.model} is a compiled artifact: {', '.join(given)} apply when compiling")
+
+
+def engine_config(args: argparse.Namespace, sequences: int) -> Any:
+    """The serving limits from --max-num-seqs (default `sequences`, what the command runs at once: the KV pool
+    is sized for that many full contexts), --max-num-batched-tokens, --max-context, --block-size, --num-blocks,
+    --kv-cache-memory and --no-prefix-caching."""
+    max_num_seqs = args.max_num_seqs or sequences
+    return EngineConfig(
+        max_num_seqs=max_num_seqs,
+        # unless given, a step's budget holds one token of every sequence (--n 300: 300 sequences at once)
+        max_num_batched_tokens=args.max_num_batched_tokens or max(DEFAULT_STEP_TOKENS, max_num_seqs),
+        max_context=args.max_context,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+        speculative=speculative_config(args),
+    )
+
+
+def speculative_config(args: argparse.Namespace) -> Any:
+    """--speculative ngram|draft:PATH|self:K with --num-speculative-tokens, or None."""
+    from ..runtime.speculative import SpeculativeConfig
+
+    if args.speculative is None:
+        if args.num_speculative_tokens is not None:
+            raise LlmlowerError("--num-speculative-tokens needs --speculative")
+        return None
+    return SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
+
+
+def engine_from_args(args: argparse.Namespace, sequences: int, backend: str = "torch") -> Any:
+    """An Engine for MODEL running `sequences` at once unless --max-num-seqs says otherwise: an artifact runs as
+    compiled (without torch); a model runs on `backend`: torch, the reference, through the pipeline as it is
+    captured; onnx or tvm, compiled once into the artifact cache (compile_cache) and loaded from there."""
+    from ..runtime import Engine
+    from ..runtime.artifact import is_artifact
+
+    check_artifact_options(args)
+    config = engine_config(args, sequences)
+    if is_artifact(args.model):
+        return Engine.load(args.model, config, threads=args.threads)
+    if backend == "torch":
+        from ..api import load_engine
+
+        pipeline = pass_pipeline(args)
+        dtype = args.dtype or "float32"
+        return load_engine(
+            args.model, pipeline, dtype=dtype, config=config, verify=args.verify, kv_cache_dtype=args.kv_cache_dtype
+        )
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    def open_artifact(path: Path) -> Engine:
+        return Engine.load(path, config, threads=args.threads)
+
+    return load_compiled(args.model, compile_request(args, backend), open_artifact, verify=args.verify, notify=say)
+
+
+def compile_request(args: argparse.Namespace, backend: str) -> CompileRequest:
+    """What generate, chat and serve compile MODEL with: the pipeline flags (--quant RECOMMENDED_QUANT unless
+    given), --dtype, --block-size where the backend fixes it when compiling (a paged KV layout), the self-draft of
+    --speculative self:K and --kv-cache-dtype, for the CPU."""
+    from ..runtime.backends import get_backend
+    from ..step_io import KVLayout
+
+    quant = args.quant or RECOMMENDED_QUANT
+    paged = get_backend(backend).layout("cpu") is KVLayout.PAGED
+    pipeline = tuple(pass_pipeline(args, default_quant=quant))
+    block_size = args.block_size if paged else None
+    speculative = speculative_config(args)
+    drafts = (speculative.layers,) if speculative is not None and speculative.method == "self" else ()
+    return CompileRequest(pipeline, quant, backend, "cpu", args.dtype, block_size, drafts, args.kv_cache_dtype)
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    """SamplingParams from the flags given (each named after its field); invalid values name the field."""
+    from ..runtime.sampling_params import SamplingParams
+
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    if "logit_bias" in given:
+        try:
+            given["logit_bias"] = {int(k): v for k, v in json.loads(given["logit_bias"]).items()}
+        except (ValueError, AttributeError):
+            raise LlmlowerError(
+                f"logit_bias: expected a JSON object of token id to bias, got {args.logit_bias!r}"
+            ) from None
+    return SamplingParams(**given, structured_output=_structured_output(args))
+
+
+def _structured_output(args: argparse.Namespace) -> Any:
+    """--json-schema FILE, --regex or --grammar FILE as a StructuredOutput (None without them)."""
+    from ..runtime.structured import StructuredOutput
+
+    flags = {"json": args.json_schema, "regex": args.regex, "grammar": args.grammar}
+    given = {k: _text_of(v) if isinstance(v, Path) else v for k, v in flags.items() if v is not None}
+    return StructuredOutput(**given) if given else None
+
+
+def _text_of(path: Path) -> str:
+    """A text file given on the command line, or one line saying why it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise LlmlowerError(f"{path}: cannot be read ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise LlmlowerError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
