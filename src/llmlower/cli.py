@@ -12,10 +12,10 @@ from typing import Any
 from rich.console import Console
 
 from . import progress
+from .backends.registry import BACKENDS
 from .compile_cache import RECOMMENDED_BACKEND, RECOMMENDED_QUANT, CompileRequest, load_compiled
 from .errors import LlmlowerError
 from .runtime import EngineConfig
-from .runtime.backends import BACKENDS
 from .serve.limits import RequestLimits, limit_flags
 from .step_io import KV_CACHE_DTYPES
 
@@ -140,7 +140,7 @@ def _compile_request(args: argparse.Namespace, backend: str) -> CompileRequest:
     """What generate, chat and serve compile MODEL with: the pipeline flags (--quant RECOMMENDED_QUANT unless
     given), --dtype, --block-size where the backend fixes it when compiling (a paged KV layout), the self-draft of
     --speculative self:K and --kv-cache-dtype, for the CPU."""
-    from .runtime.backends import get_backend
+    from .backends.registry import get_backend
     from .step_io import KVLayout
 
     quant = args.quant or RECOMMENDED_QUANT
