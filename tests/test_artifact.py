@@ -57,6 +57,8 @@ def test_engine_load_needs_neither_torch_nor_transformers(artifact, without_torc
         engine = Engine.load({str(artifact)!r})
         params = SamplingParams(temperature=0, max_tokens=6)
         print(engine.generate(["The quick brown fox"], params, chat=False)[0].token_ids)
+        import sys
+        assert not [m for m in sys.modules if m.startswith("llmlower.backends")]  # the manifest names the executor
         """
     )
     assert done.returncode == 0, done.stderr
