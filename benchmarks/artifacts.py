@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from llmlower.api import compile_artifact
+from llmlower.backends.registry import get_backend
 from llmlower.passes import build_pipeline, with_kv_layout
 from llmlower.runtime.artifact import FORMAT_VERSION
-from llmlower.runtime.backends import get_backend
 
 
 def ensure_artifact(

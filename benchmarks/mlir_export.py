@@ -19,7 +19,7 @@ import numpy as np
 
 from llmlower.api import compile_program
 from llmlower.backends.mlir.artifact import build
-from llmlower.backends.torch import TorchExecutor
+from llmlower.backends.torch.program_executor import TorchExecutor
 from llmlower.frontend.example import cache_dir
 from llmlower.runtime import Engine, SamplingParams, StepBatch
 from llmlower.runtime.executor import sequential_block_tables

@@ -38,7 +38,7 @@ from artifacts import ensure_artifact
 from transformers import DynamicCache
 
 from llmlower.api import tokenizer_of
-from llmlower.backends.torch import TorchExecutor
+from llmlower.backends.torch.program_executor import TorchExecutor
 from llmlower.frontend import capture, load, resolve_model
 from llmlower.frontend.example import cache_dir
 from llmlower.ir.program import Program

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from llmlower.backends.torch import TorchExecutor
+from llmlower.backends.torch.program_executor import TorchExecutor
 from llmlower.frontend import capture, load, resolve_model
 from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
 from llmlower.runtime import Engine, Tokenizer

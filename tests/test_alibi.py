@@ -11,7 +11,7 @@ import torch
 from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 
 from llmlower.api import compile_artifact
-from llmlower.backends.onnx import LoweringError
+from llmlower.backends.onnx.export import LoweringError
 from llmlower.errors import PassError
 from llmlower.frontend import capture, load
 from llmlower.ir import ATTENTION

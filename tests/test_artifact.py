@@ -23,6 +23,7 @@ def test_manifest_describes_the_artifact(artifact):
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["format_version"] == FORMAT_VERSION
     assert (manifest["backend"], manifest["target"], manifest["dtype"]) == ("onnx", "cpu", "float32")
+    assert manifest["executor"] == "onnx:OnnxSlotExecutor"  # what runs it, found without the backends table
     assert manifest["spec"]["num_kv_heads"] == 2
     assert [p["name"] for p in manifest["pipeline"]][-3:] == ["kv_cache", "fuse_qkv_attention", "last_token_logits"]
     assert manifest["kv_layout"]["kind"] == "slots"  # GroupQueryAttention's per-sequence caches on the CPU
@@ -56,6 +57,8 @@ def test_engine_load_needs_neither_torch_nor_transformers(artifact, without_torc
         engine = Engine.load({str(artifact)!r})
         params = SamplingParams(temperature=0, max_tokens=6)
         print(engine.generate(["The quick brown fox"], params, chat=False)[0].token_ids)
+        import sys
+        assert not [m for m in sys.modules if m.startswith("llmlower.backends")]  # the manifest names the executor
         """
     )
     assert done.returncode == 0, done.stderr
@@ -211,7 +214,7 @@ def test_every_path_the_manifest_names_stays_inside_and_is_hashed(artifact, tmp_
     assert "manifest.json" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("field", ["spec", "dtype", "kv_layout", "target", "backend", "spec.vocab_size"])
+@pytest.mark.parametrize("field", ["spec", "dtype", "kv_layout", "target", "backend", "executor", "spec.vocab_size"])
 def test_a_manifest_missing_a_field_is_one_line_naming_it(artifact, tmp_path, capsys, field):
     def drop(manifest, _):
         *parents, name = field.split(".")
@@ -224,6 +227,29 @@ def test_a_manifest_missing_a_field_is_one_line_naming_it(artifact, tmp_path, ca
     assert f"manifest.json: field '{field.split('.')[0]}'" in err and "Traceback" not in err
     if "." in field:
         assert field.split(".")[1] in err
+
+
+@pytest.mark.parametrize(
+    ("executor", "message"),
+    [
+        ("os:system", r"expected \"module:Class\" with the module one of llmlower\.runtime\.executors: mlir, onnx"),
+        ("..artifact:ArtifactError", r"expected \"module:Class\""),
+        ("onnx", r"expected \"module:Class\""),
+        ("onnx:os", r"onnx has no executor 'os'"),
+        ("onnx:Executor", r"onnx has no executor 'Executor'"),  # imported there, not one of its executors
+        ("onnx:SlotExecutor", r"onnx has no executor 'SlotExecutor'"),
+    ],
+    ids=["other-package", "relative", "no-class", "not-a-class", "base-class", "abstract"],
+)
+def test_the_executor_a_manifest_names_is_checked_before_it_runs(artifact, tmp_path, capsys, executor, message):
+    def name_executor(manifest, _):
+        manifest["executor"] = executor
+
+    copy = _tampered(artifact, tmp_path, name_executor)
+    with pytest.raises(ArtifactError, match=r"manifest\.json: field 'executor' .*" + message):
+        Engine.load(copy)
+    assert main(["generate", str(copy), "--prompt", "x"]) == 1
+    assert "field 'executor'" in capsys.readouterr().err
 
 
 def test_every_file_field_is_checked(tmp_path):

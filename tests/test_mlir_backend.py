@@ -21,11 +21,10 @@ from llmlower.api import (
     compile_artifact,  # noqa: E402
     load_engine,  # noqa: E402
 )
-from llmlower.backends.mlir import MlirLoweringError, lower, torch_module  # noqa: E402
 from llmlower.backends.mlir.artifact import MODULE, WEIGHTS, build  # noqa: E402
-from llmlower.backends.mlir.executor import program_executor  # noqa: E402
-from llmlower.backends.mlir.export import fixed_dims, op_names  # noqa: E402
-from llmlower.backends.torch import TorchExecutor  # noqa: E402
+from llmlower.backends.mlir.export import MlirLoweringError, fixed_dims, lower, op_names, torch_module  # noqa: E402  # noqa: E402
+from llmlower.backends.mlir.program_executor import program_executor  # noqa: E402
+from llmlower.backends.torch.program_executor import TorchExecutor  # noqa: E402
 from llmlower.cli import main  # noqa: E402
 from llmlower.errors import LlmlowerError  # noqa: E402
 from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout  # noqa: E402

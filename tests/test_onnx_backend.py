@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmlower.backends.onnx import LoweringError, to_onnx
-from llmlower.backends.torch import TorchExecutor
+from llmlower.backends.onnx.export import LoweringError, to_onnx
+from llmlower.backends.torch.program_executor import TorchExecutor
 from llmlower.frontend import capture, load
 from llmlower.passes import build_pipeline, run_pipeline
 from llmlower.runtime import StepBatch

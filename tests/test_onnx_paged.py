@@ -21,9 +21,9 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from llmlower.api import compile_program
-from llmlower.backends.onnx import LoweringError, to_onnx
+from llmlower.backends.onnx.export import LoweringError, to_onnx
 from llmlower.backends.onnx.lowerings import translations
-from llmlower.backends.torch import TorchExecutor
+from llmlower.backends.torch.program_executor import TorchExecutor
 from llmlower.cli import main
 from llmlower.errors import GenerationError
 from llmlower.ir import PAGED_ATTENTION

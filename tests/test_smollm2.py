@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from llmlower.api import compile_artifact, compile_program, load_engine, text_perplexity, tokenizer_of
-from llmlower.backends.torch import TorchExecutor
+from llmlower.backends.torch.program_executor import TorchExecutor
 from llmlower.frontend import example_gguf, load
 from llmlower.passes import build_pipeline, parse_quant, run_pipeline
 from llmlower.runtime import Engine, GenerationResult

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from llmlower.api import compile_artifact
-from llmlower.backends.torch import TorchExecutor
-from llmlower.backends.tvm import TvmLoweringError, to_relax, tvm_target
-from llmlower.backends.tvm.executor import program_executor
+from llmlower.backends.torch.program_executor import TorchExecutor
+from llmlower.backends.tvm.compile import tvm_target
+from llmlower.backends.tvm.lowerings import TvmLoweringError
+from llmlower.backends.tvm.program_executor import program_executor
+from llmlower.backends.tvm.relax_import import to_relax
 from llmlower.cli import main
 from llmlower.ir import PAGED_LATENT_ATTENTION
 from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout

@@ -11,7 +11,8 @@ from typing import Any
 
 from .backends.failures import backend_errors
 from .backends.manifest import cache_dtype
-from .backends.torch import TorchExecutor
+from .backends.registry import BACKENDS, get_backend
+from .backends.torch.program_executor import TorchExecutor
 from .errors import ArgumentError, LlmlowerError
 from .frontend import LoadedModel, capture, load, resolve_model
 from .frontend.calibration import calibration_ids
@@ -21,7 +22,6 @@ from .passes.manager import PassSpec
 from .progress import stage
 from .runtime import Engine, EngineConfig, Tokenizer
 from .runtime.artifact import MANIFEST, check_output, draft_dir_name, draft_key, is_artifact, read_manifest, sha256
-from .runtime.backends import BACKENDS, get_backend, load_symbol
 from .runtime.block_manager import kv_pool_blocks
 from .runtime.perplexity import PerplexityResult, check_window, perplexity
 from .step_io import DEFAULT_BLOCK_SIZE, KV_CACHE_DTYPES, KVLayout
@@ -182,7 +182,7 @@ def compile_artifact(
     LLVM CPU name, default this machine's) or the mlir one (`dialect`: torch, linalg (default), stablehlo or tosa;
     `static_dims`: sizes fixed in the module, e.g. {"batch": 1, "tokens": 16}, a decode step's for tosa). The
     dtype defaults to float32 on cpu and float16 on cuda; the pipeline gets the KV layout the backend runs on the
-    target (runtime.backends). `write_extra(directory)` adds files of the caller's to the artifact before it is
+    target (backends.registry). `write_extra(directory)` adds files of the caller's to the artifact before it is
     hashed (the compile cache's key). `verify` checks each pass against the one before and then the built
     artifact, run by its own executor, against the torch reference (verify_artifact): one that differs beyond
     its backend's tolerance is refused and nothing is written.
@@ -221,7 +221,7 @@ def compile_artifact(
             flag = "--" + name.replace("_", "-")
             raise LlmlowerError(f"{flag}: one of the options of --backend {', '.join(owners)}")
     if entry.check is not None:
-        load_symbol(entry.check)(target, given)
+        entry.load(entry.check)(target, given)
     dtype = dtype or ("float16" if target == "cuda" else "float32")
     check_block_size(block_size)
     check_kv_cache_dtype(kv_cache_dtype, dtype, backend, target)
@@ -289,7 +289,8 @@ def build_checked(backend: str, program: Program, directory: Path | str, verify:
     reference before it is moved into place (verify_artifact) and refused, nothing written, when it differs."""
     check = functools.partial(verify_artifact, program) if verify else None
     with backend_errors(backend, program):
-        return load_symbol(get_backend(backend).compiler)(program, directory, check_staged=check, **options)
+        entry = get_backend(backend)
+        return entry.load(entry.compiler)(program, directory, check_staged=check, **options)
 
 
 def check_same_kv_layout(target: Program, draft: Program) -> None:

@@ -1,7 +1,7 @@
 """compile --verify's last check: the finished artifact, still in its staging directory, runs through its own
 runtime executor (loaded as Engine.load loads it) beside the torch reference executor on the same Program and
 block tables, over a prefill of sequences of different lengths and greedy decode steps; an artifact whose logits
-differ by more than its backend's tolerance (runtime.backends.Tolerance) is refused, so it is never moved into
+differ by more than its backend's tolerance (backends.backend.Tolerance) is refused, so it is never moved into
 place. Greedy tokens are compared too and reported (within the tolerance they can differ only where the
 reference's top two logits are nearer than twice the tolerance)."""
 
@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from .backends.torch import TorchExecutor
+from .backends.registry import get_backend
+from .backends.torch.program_executor import TorchExecutor
 from .errors import VerificationError
 from .ir import Program
 from .progress import stage
 from .runtime.artifact import read_manifest
-from .runtime.backends import get_backend
 from .runtime.executor import Executor, StepBatch, sequential_block_tables
 from .runtime.executors import executor_of, load_executor
 from .step_io import DEFAULT_BLOCK_SIZE

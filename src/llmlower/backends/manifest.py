@@ -1,4 +1,5 @@
-"""The part of an artifact's manifest every backend writes: versions, model spec, pipeline, backend, target."""
+"""The part of an artifact's manifest every backend writes: versions, model spec, pipeline, backend, target, and
+the runtime executor that runs it."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ from typing import Any
 from .. import __version__
 from ..ir.program import Program
 from ..step_io import KVLayout, cache_layer
+from .registry import get_backend
 
 
 def program_manifest(program: Program, backend: str, target: str) -> dict[str, Any]:
-    """Manifest entries describing what was compiled and for where; backends add their files and layout."""
+    """Manifest entries describing what was compiled, for where and what runs it (`executor`: the backend's
+    runtime executor for the program's KV layout, which Engine.load imports); backends add their files and layout."""
     return {
         "toolkit_version": __version__,
         "backend": backend,
         "target": target,
+        "executor": get_backend(backend).runtime_executor(program.kv_layout),
         "dtype": program.spec.dtype,
         "spec": program.spec.to_dict(),
         "pipeline": [record.to_dict() for record in program.history],

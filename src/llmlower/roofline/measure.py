@@ -1,4 +1,4 @@
-"""Step times on a backend: the backends table (runtime.backends) says how each builds an executor for a
+"""Step times on a backend: the backends table (backends.registry) says how each builds an executor for a
 Program and which KV layout its programs use; steps are timed repeatedly. ONNX Runtime runs one intra-op thread
 per logical core, as benchmarks/speed.py does (its default, one per physical core, ran SmolLM2 steps 2-2.5x
 slower on the 2-vCPU VM)."""
@@ -6,17 +6,16 @@ slower on the 2-vCPU VM)."""
 from __future__ import annotations
 
 import copy
-import importlib
 import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..backends.registry import get_backend
 from ..errors import LlmlowerError
 from ..ir.program import Program
 from ..passes import run_pipeline, with_kv_layout
 from ..passes.manager import PassSpec
-from ..runtime.backends import get_backend, load_symbol
 from ..runtime.executor import Executor, StepBatch, sequential_block_tables
 from ..step_io import KVLayout
 from .shapes import Step
@@ -26,7 +25,7 @@ def check_backend(backend: str) -> None:
     """Fail unless `backend` is registered and its package imports in this build."""
     entry = get_backend(backend)
     try:
-        importlib.import_module(entry.program_executor.split(":")[0])
+        entry.load(entry.program_executor)
     except ImportError:
         raise LlmlowerError(f"--backend {backend}: the {backend} backend is not available in this build") from None
 
@@ -42,7 +41,8 @@ def build_executor(backend: str, program: Program, max_batch: int, max_context: 
     check_backend(backend)
     block_size = program.block_size if program.kv_layout is KVLayout.PAGED else 16
     num_blocks = max_batch * -(-max_context // block_size)
-    return load_symbol(get_backend(backend).program_executor)(program, max_context, num_blocks)
+    entry = get_backend(backend)
+    return entry.load(entry.program_executor)(program, max_context, num_blocks)
 
 
 def artifact_executor(artifact: Path, max_batch: int, max_context: int) -> Executor:

@@ -28,13 +28,14 @@ from ..spec import ModelSpec
 
 MANIFEST = "manifest.json"
 # 2: KV layouts "slots" and "paged" (continuous batching); 3: the logits_indices step input; 4: weights.tensors
-# lists every weight's name, shape and dtype (runtime.weights: dummy weights without the weights file)
-FORMAT_VERSION = 4
+# lists every weight's name, shape and dtype (runtime.weights: dummy weights without the weights file); 5: the
+# executor field names the runtime executor that runs it ("module:Class" of runtime.executors)
+FORMAT_VERSION = 5
 # Files the runtime reads by name rather than through a manifest field (runtime.tokenizer.Tokenizer.from_dir):
 # tokenizer.json must be hashed; the others, when present, must be hashed too (else the artifact is refused).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 REQUIRED_FILES = ("tokenizer.json",)
-REQUIRED_FIELDS = {"backend": str, "target": str, "dtype": str, "kv_layout": dict, "spec": dict}
+REQUIRED_FIELDS = {"backend": str, "executor": str, "target": str, "dtype": str, "kv_layout": dict, "spec": dict}
 JSON_TYPES = {str: "string", dict: "object"}
 
 

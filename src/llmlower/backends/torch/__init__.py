@@ -1,5 +1,14 @@
-"""The torch backend: a Program's graph run eagerly; the reference for every other backend."""
+"""The torch backend: a Program's graph run eagerly (program_executor.TorchExecutor); the reference every other
+backend is checked against. It writes no artifacts."""
 
-from .executor import TorchExecutor
+from ...step_io import KVLayout
+from ..backend import Backend
 
-__all__ = ["TorchExecutor"]
+BACKEND = Backend(
+    name="torch",
+    package=__name__,
+    layouts={"cpu": KVLayout.PAGED},
+    program_executor="program_executor:program_executor",
+    summary="the reference: the Program's graph run eagerly by torch (no artifact)",
+    int8_kv_targets=("cpu",),
+)

@@ -1,9 +1,20 @@
-"""The TVM backend: lower a PAGED Program to Relax (llmlower's paged-attention TIR kernels over block pools the
-runtime owns, dequantize-in-matmul for int8/int4 weights), compile it for llvm or CUDA and run it with
-runtime.executors.tvm.TvmExecutor; artifact.build writes the library, its weights (safetensors) and the manifest
-as a deployable artifact."""
+"""The TVM backend: lower a PAGED Program to Relax (relax_import.to_relax: llmlower's paged-attention TIR kernels
+over block pools the runtime owns, dequantize-in-matmul for int8/int4 weights), compile it for llvm or CUDA
+(compile.compile_module) and run it with runtime.executors.tvm.TvmExecutor; artifact.build writes the library,
+its weights (safetensors) and the manifest as a deployable artifact."""
 
-from .compile import check_target, compile_module, tvm_target
-from .relax_import import RelaxModel, TvmLoweringError, to_relax
+from ...step_io import KVLayout
+from ..backend import Backend
 
-__all__ = ["RelaxModel", "TvmLoweringError", "check_target", "compile_module", "to_relax", "tvm_target"]
+BACKEND = Backend(
+    name="tvm",
+    package=__name__,
+    layouts={"cpu": KVLayout.PAGED, "cuda": KVLayout.PAGED},
+    executors={KVLayout.PAGED: "tvm:TvmExecutor"},
+    compiler="artifact:build",
+    program_executor="program_executor:program_executor",
+    summary="Apache TVM: Relax + llmlower's paged-attention kernels, llvm (CPU) or CUDA",
+    options=("cuda_arch", "cpu"),
+    check="compile:check_options",
+    int8_kv_targets=("cpu",),  # the CUDA kernels read float pools
+)

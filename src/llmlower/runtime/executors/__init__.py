@@ -1,16 +1,17 @@
-"""Executors that need only their backend's runtime library (no torch); an artifact's manifest names its
-backend and KV layout, and runtime.backends says which executor runs them."""
+"""Executors that need only their backend's runtime library (no torch), one module each; an artifact's manifest
+names the one that runs it (`executor`: "module:Class"), written there by the backend that compiled it."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
+import pkgutil
 from pathlib import Path
 from typing import Any
 
 from ...errors import ArgumentError
-from ...step_io import KVLayout
 from ..artifact import MANIFEST, ArtifactError
-from ..backends import BACKENDS, load_symbol
 from ..executor import Executor
 from ..weights import ARTIFACT_WEIGHTS, WeightSource
 
@@ -24,7 +25,7 @@ def load_executor(
     threads: int = 0,
     weights: WeightSource = ARTIFACT_WEIGHTS,
 ) -> Executor:
-    """The executor of the artifact's backend and KV layout, loaded from the artifact's files (its weights from
+    """The executor the artifact's manifest names (executor_of), loaded from the artifact's files (its weights from
     `weights`), with a KV pool of num_blocks blocks of block_size positions and sequences of up to max_context
     tokens; `threads` intra-op threads (0: the backend's default, one per core; more than this machine's CPUs
     is refused: each thread is created, and thousands of them exhaust memory)."""
@@ -36,13 +37,22 @@ def load_executor(
 
 
 def executor_of(artifact: Path, manifest: dict[str, Any]) -> type[Executor]:
-    """The executor class runtime.backends names for the artifact's backend and KV layout (not yet loaded)."""
-    backend = BACKENDS.get(manifest.get("backend"))
-    layout = manifest.get("kv_layout", {}).get("kind")
-    try:
-        reference = backend.executors[KVLayout(layout)]
-    except (AttributeError, KeyError, ValueError):
+    """The executor class the manifest's `executor` field names (not yet loaded), checked before anything is
+    imported, as an artifact is untrusted input: a module of this package and an Executor class defined there."""
+    reference = manifest.get("executor")
+    module, _, name = reference.partition(":") if isinstance(reference, str) else ("", "", "")
+    modules = sorted(m.name for m in pkgutil.iter_modules(__path__))
+    if module not in modules or not name.isidentifier():
         raise ArtifactError(
-            f"{artifact / MANIFEST}: backend {manifest.get('backend')!r} with KV layout {layout!r} has no executor here"
-        ) from None
-    return load_symbol(reference, __name__)
+            f"{artifact / MANIFEST}: field 'executor' {reference!r}: expected \"module:Class\" with the module one "
+            f"of llmlower.runtime.executors: {', '.join(modules)}"
+        )
+    executor_class = getattr(importlib.import_module(f"{__name__}.{module}"), name, None)
+    if not (
+        isinstance(executor_class, type)
+        and issubclass(executor_class, Executor)
+        and not inspect.isabstract(executor_class)
+        and executor_class.__module__ == f"{__name__}.{module}"
+    ):
+        raise ArtifactError(f"{artifact / MANIFEST}: field 'executor' {reference!r}: {module} has no executor {name!r}")
+    return executor_class
