@@ -6,7 +6,7 @@ import argparse
 
 from rich.console import Console
 
-from ..runtime.backends import BACKENDS
+from ..backends.registry import BACKENDS
 from .engine_args import pass_pipeline
 from .options import MODEL_HELP, VERIFY_HELP, add_pipeline_options
 

@@ -109,7 +109,7 @@ def compile_request(args: argparse.Namespace, backend: str) -> CompileRequest:
     """What generate, chat and serve compile MODEL with: the pipeline flags (--quant RECOMMENDED_QUANT unless
     given), --dtype, --block-size where the backend fixes it when compiling (a paged KV layout), the self-draft of
     --speculative self:K and --kv-cache-dtype, for the CPU."""
-    from ..runtime.backends import get_backend
+    from ..backends.registry import get_backend
     from ..step_io import KVLayout
 
     quant = args.quant or RECOMMENDED_QUANT

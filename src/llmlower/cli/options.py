@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..backends.registry import BACKENDS
 from ..compile_cache import RECOMMENDED_BACKEND, RECOMMENDED_QUANT
 from ..runtime import EngineConfig
-from ..runtime.backends import BACKENDS
 from ..step_io import KV_CACHE_DTYPES
 
 VERIFY_HELP = (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..backends.registry import BACKENDS
 from ..errors import LlmlowerError
-from ..runtime.backends import BACKENDS
 from .options import MODEL_HELP
 
 
