@@ -18,9 +18,16 @@ from typing import Any
 import numpy as np
 
 from ..errors import GenerationError
-from ..step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, LOGITS_INDICES, PAST_LENS, POSITION_IDS, KVLayout
-
-DEFAULT_SLOTS = 4  # a SLOTS executor's sequences when no pool size is given
+from ..step_io import (
+    BLOCK_TABLES,
+    DEFAULT_SEQUENCES,
+    INPUT_IDS,
+    INPUT_LENS,
+    LOGITS_INDICES,
+    PAST_LENS,
+    POSITION_IDS,
+    KVLayout,
+)
 
 
 @dataclass(frozen=True)
@@ -183,7 +190,7 @@ class Executor(ABC):
 
 class SlotExecutor(Executor):
     """An executor of SLOTS programs whose caches are numpy arrays [slots, kv_heads, slot positions, head_dim]:
-    each layer's whole pool, `num_blocks // blocks_per_slot` slots (default DEFAULT_SLOTS)."""
+    each layer's whole pool, `num_blocks // blocks_per_slot` slots (default DEFAULT_SEQUENCES)."""
 
     kv_layout = KVLayout.SLOTS
     caches: dict[str, np.ndarray]
@@ -194,7 +201,7 @@ class SlotExecutor(Executor):
         """The caches named by `layers` (name -> (kv_heads, head_dim, dtype)), in memory committed as written."""
         self.block_size, self.max_context = block_size, max_context
         per_slot = self.blocks_per_slot
-        self.num_blocks = num_blocks or DEFAULT_SLOTS * per_slot
+        self.num_blocks = num_blocks or DEFAULT_SEQUENCES * per_slot
         slots = self.num_blocks // per_slot
         if slots < 1:
             raise GenerationError(
