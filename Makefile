@@ -1,11 +1,15 @@
 # Two commands do everything: `make demo` and `make test`. Both set up .venv first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# the runtime's own environment: its extras and the test tools, no compiler (no torch, no transformers)
+RUNTIME_VENV ?= .venv-runtime
+# where the main environment compiles the artifacts tests/runtime runs in RUNTIME_VENV
+PREBUILT ?= build/test-artifacts
 # test files are spread over this many processes (a file's tests stay together, so its session fixtures are built once)
 TEST_WORKERS ?= 2
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo test docs lint format install
+.PHONY: demo test test-main quick test-runtime docs lint format install
 
 install: $(VENV)/.installed
 
@@ -20,11 +24,36 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(VENV)/bin/llmlower generate example --prompt "$(PROMPT)" --max-tokens 64
 
+# The whole suite: lint; every test but tests/runtime in the main environment while the runtime's environment
+# installs beside it (pip waits on the disk more than on the CPU); then tests/runtime in that one, without torch.
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(MAKE) -j2 test-main $(RUNTIME_VENV)/.installed
+	$(MAKE) test-runtime
 	$(MAKE) docs
+
+test-main: install
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=tests/runtime
+
+# The quick loop while editing: everything but the slow tests (the real SmolLM2, Ray Serve replicas) and the
+# TVM and MLIR backends' builds and kernels (-k matches test, parameter and file names), so the frontend, the
+# passes, the ONNX backend, the runtime, the CLI and the server. make test before a commit runs the rest.
+quick: install
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" -k "not tvm and not mlir"
+
+# The runtime proven torch-free: the main environment compiles tests/runtime's artifacts (tests/runtime/prepare.py),
+# then RUNTIME_VENV, where torch and transformers are not installed, runs tests/runtime on them.
+test-runtime: install $(RUNTIME_VENV)/.installed
+	rm -rf $(PREBUILT)
+	$(PY) tests/runtime/prepare.py $(PREBUILT)
+	LLMLOWER_TEST_ARTIFACTS=$(PREBUILT) $(RUNTIME_VENV)/bin/python -m pytest tests/runtime
+
+$(RUNTIME_VENV)/.installed: pyproject.toml
+	python3 -m venv $(RUNTIME_VENV)
+	$(RUNTIME_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(RUNTIME_VENV)/bin/python -m pip install --quiet -e '.[test-runtime]'
+	touch $@
 
 # The documentation site, into build/site; the CLI and pass reference pages are generated from the code
 # (docs/hooks.py), and every warning (a broken link, a page missing from nav) fails the build.

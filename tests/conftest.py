@@ -1,10 +1,16 @@
 """Fixtures: tiny random checkpoints of several architectures (built from transformers configs, saved as
-checkpoint directories with a small byte-level BPE tokenizer) and the real SmolLM2 example model."""
+checkpoint directories with a small byte-level BPE tokenizer) and the real SmolLM2 example model.
+
+torch and the compiler (llmlower.testing) are imported inside the fixtures that use them, so that tests/runtime
+runs with this file in an environment without them (make test-runtime)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import hashlib
+import json
 import os
 import socket
 import struct
@@ -12,14 +18,28 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-import torch
 
-from llmlower.testing import TINY_CONFIGS, transformers_greedy, write_tiny_checkpoint
+from tests.runtime.prepare import build_once
+
+if TYPE_CHECKING:
+    import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist each worker gets its share of the cores for torch's (OpenMP) and TVM's thread pools: workers
+    that each spread over every core only oversubscribe them (measured: ~16% less CPU for torch-heavy files on
+    this 2-core machine). Set before any test module imports torch; a value already set is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = str(max(1, (os.cpu_count() or 1) // workers))
+        for name in ("OMP_NUM_THREADS", "TVM_NUM_THREADS"):
+            os.environ.setdefault(name, threads)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -32,6 +52,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test taking `tiny_arch` runs for every family in TINY_CONFIGS, so a family added there is tested there."""
     if "tiny_arch" in metafunc.fixturenames:
+        from llmlower.testing import TINY_CONFIGS
+
         metafunc.parametrize("tiny_arch", list(TINY_CONFIGS))
 
 
@@ -77,6 +99,8 @@ def serving():
 def greedy_reference():
     """transformers_greedy, for tests that compare generated tokens with transformers' own; each (checkpoint,
     prompt, length) is run once a session, whichever backends are compared with it."""
+    from llmlower.testing import transformers_greedy
+
     answers: dict[tuple, list[int]] = {}
 
     def reference(checkpoint: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
@@ -93,6 +117,8 @@ def attention_step_inputs(
 ) -> dict[str, torch.Tensor]:
     """One slot-layout `attention` step's arguments for (past_lens, input_lens): random q/k/v (q large enough for a
     soft-cap to bend the logits), caches of 16 positions, and `heads` sink logits if asked for."""
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     past, lens = step
     batch, tokens, context = len(past), max(lens), 16
@@ -117,6 +143,7 @@ def attention_step():
 def export_onnx_session(module: torch.nn.Module, args: tuple) -> tuple:
     """(ONNX Runtime CPU session, ONNX model) of `module` exported with llmlower's lowerings: one op alone."""
     import onnxruntime as ort
+    import torch
 
     from llmlower.backends.onnx.lowerings import translations
 
@@ -136,13 +163,52 @@ def onnx_session():
 @pytest.fixture(scope="session")
 def tiny_checkpoint_writer():
     """write_tiny_checkpoint, for tests that build a variant (more layers, ...) of a tiny architecture."""
+    from llmlower.testing import write_tiny_checkpoint
+
     return write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    return {arch: write_tiny_checkpoint(arch, root / arch) for arch in TINY_CONFIGS}
+def run_dir(tmp_path_factory) -> Path:
+    """A directory every xdist worker of this run shares (the run's base temporary directory, above each worker's
+    own), or the base temporary directory without xdist: what is built there once serves every worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(run_dir) -> dict[str, Path]:
+    """Each tiny architecture's random checkpoint (seeded, so every worker would write the same files), written
+    once per run."""
+    from llmlower.testing import TINY_CONFIGS, write_tiny_checkpoint
+
+    return {
+        arch: build_once(run_dir / "tiny" / arch, functools.partial(write_tiny_checkpoint, arch))
+        for arch in TINY_CONFIGS
+    }
+
+
+@pytest.fixture(scope="session")
+def compiled(run_dir) -> Callable[..., Path]:
+    """compiled(checkpoint, backend="onnx", quant="none", **options) -> the artifact compile_artifact builds from
+    the checkpoint with build_pipeline(quant=quant) and `options` (target, block_size, draft_layers, ...), once
+    per run for every worker. Leave defaults out: the same request gets the same artifact. Shared, so read-only:
+    a test that changes an artifact changes a copy."""
+
+    def artifact(checkpoint: Path, backend: str = "onnx", quant: str = "none", **options: object) -> Path:
+        from llmlower.api import compile_artifact
+        from llmlower.passes import build_pipeline
+
+        request = json.dumps([str(checkpoint), backend, quant, options], sort_keys=True)
+        entry = (
+            run_dir / "artifacts" / f"{checkpoint.name}-{backend}-{hashlib.sha256(request.encode()).hexdigest()[:12]}"
+        )
+        return build_once(
+            entry,
+            lambda out: compile_artifact(checkpoint, out, build_pipeline(quant=quant), backend=backend, **options),
+        )
+
+    return artifact
 
 
 @pytest.fixture(scope="session")
@@ -166,9 +232,13 @@ def tiny_llama(tiny_checkpoints) -> Path:
 
 
 @pytest.fixture(scope="session")
-def long_llama(tmp_path_factory) -> Path:
-    """A tiny Llama with room for 1,024 positions (a 400-token system prompt and more)."""
-    return write_tiny_checkpoint("llama", tmp_path_factory.mktemp("long") / "llama", max_position_embeddings=1024)
+def long_llama(run_dir) -> Path:
+    """A tiny Llama with room for 1,024 positions (a 400-token system prompt and more), written once per run."""
+    from llmlower.testing import write_tiny_checkpoint
+
+    return build_once(
+        run_dir / "long" / "llama", lambda out: write_tiny_checkpoint("llama", out, max_position_embeddings=1024)
+    )
 
 
 @pytest.fixture(scope="session")

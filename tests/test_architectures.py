@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from llmlower.api import compile_artifact
 from llmlower.runtime import Engine, SamplingParams
 
 PROMPTS = [
@@ -24,17 +23,9 @@ BACKENDS = ["onnx", "tvm", "mlir"]
 
 
 @pytest.fixture(scope="module")
-def artifacts(tiny_checkpoints, tmp_path_factory):
-    """(family, backend) -> a compiled fp32 artifact, built once."""
-    built = {}
-
-    def artifact(family: str, backend: str):
-        if (family, backend) not in built:
-            out = tmp_path_factory.mktemp(f"{family}-{backend}") / "artifact"
-            built[family, backend] = compile_artifact(tiny_checkpoints[family], out, backend=backend)
-        return built[family, backend]
-
-    return artifact
+def artifacts(tiny_checkpoints, compiled):
+    """(family, backend) -> a compiled fp32 artifact."""
+    return lambda family, backend: compiled(tiny_checkpoints[family], backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,10 +13,8 @@ from llmlower.runtime.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def artifact(tiny_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("artifacts") / "tiny-llama-onnx"
-    assert main(["compile", str(tiny_llama), "-o", str(out), "--backend", "onnx", "--target", "cpu"]) == 0
-    return out
+def artifact(tiny_llama, compiled):
+    return compiled(tiny_llama)
 
 
 def test_manifest_describes_the_artifact(artifact):

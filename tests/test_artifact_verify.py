@@ -134,12 +134,11 @@ class Recorder:
         self.finished.append((description, detail))
 
 
-def test_a_cuda_artifact_is_not_run_and_says_why(tiny_llama, tmp_path):
+def test_a_cuda_artifact_is_not_run_and_says_why(tiny_llama, compiled):
     """A cuda artifact (float16 PagedAttention for ONNX Runtime's CUDA EP) is not run on this CPU: one stage line
     says the check was skipped and why. (The float16 program is built without --verify: the per-pass check's
     float32 threshold refuses float16 passes.)"""
-    out = tmp_path / "cuda"
-    assert main(["compile", str(tiny_llama), "-o", str(out), "--target", "cuda"]) == 0
+    out = compiled(tiny_llama, target="cuda")
     _, program = compile_program(tiny_llama, dtype="float16", kv_layout=KVLayout.PAGED, block_size=16)
     recorder = Recorder()
     progress.use_reporter(recorder)

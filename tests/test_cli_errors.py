@@ -27,12 +27,11 @@ def private_cache(tmp_path, monkeypatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def paths(tiny_llama, tmp_path_factory) -> dict[str, str]:
+def paths(tiny_llama, compiled, tmp_path_factory) -> dict[str, str]:
     """Placeholders of the invocations: {A} artifact, {C} checkpoint, {T} text file, {F} a file that is no model,
     {D} a directory that is no model, {O} an output path never written, {BAD_<kind>} broken checkpoints."""
     root = tmp_path_factory.mktemp("cli-errors")
-    artifact = root / "artifact"
-    assert main(["compile", str(tiny_llama), "-o", str(artifact)]) == 0
+    artifact = compiled(tiny_llama)
     (root / "text.txt").write_text(TEXT, encoding="utf-8")
     (root / "binary.txt").write_bytes(bytes(range(256)) * 4)
     (root / "notes").mkdir()

@@ -17,9 +17,7 @@ from onnx.external_data_helper import uses_external_data
 
 from benchmarks.device_check.carried import BUDGET, carried_size
 from benchmarks.device_check.runtime_site import build_site
-from llmlower.api import compile_artifact
 from llmlower.errors import ArgumentError, GenerationError
-from llmlower.passes import build_pipeline
 from llmlower.runtime import Engine, StepBatch, sequential_block_tables
 from llmlower.runtime.artifact import ArtifactError, read_manifest
 
@@ -37,17 +35,11 @@ CPU_BUILDS = [
 
 
 @pytest.fixture(scope="module")
-def artifacts(tiny_llama, tmp_path_factory):
-    """The tiny Llama compiled per (backend, target, quant), once, lazily."""
-    root, built = tmp_path_factory.mktemp("device_check"), {}
+def artifacts(tiny_llama, compiled):
+    """The tiny Llama compiled per (backend, target, quant)."""
 
     def artifact(backend: str, target: str, quant: str = "none") -> Path:
-        key = (backend, target, quant)
-        if key not in built:
-            built[key] = compile_artifact(
-                tiny_llama, root / "-".join(key), build_pipeline(None, quant), backend=backend, target=target
-            )
-        return built[key]
+        return compiled(tiny_llama, backend, quant, **({"target": target} if target != "cpu" else {}))
 
     return artifact
 

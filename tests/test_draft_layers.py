@@ -100,11 +100,9 @@ def test_refuses_a_program_whose_layers_fusions_merged(three_layer):
 
 
 @pytest.fixture(scope="module")
-def with_draft(tiny_llama, tmp_path_factory):
+def with_draft(tiny_llama, compiled):
     """The 2-layer tiny llama compiled with the ONNX backend and a 1-layer self-draft."""
-    out = tmp_path_factory.mktemp("drafts") / "llama"
-    assert main(["compile", str(tiny_llama), "-o", str(out), "--backend", "onnx", "--draft-layers", "1"]) == 0
-    return out
+    return compiled(tiny_llama, draft_layers=1)
 
 
 def test_compile_writes_the_draft_inside_the_target(with_draft):

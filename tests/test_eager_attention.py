@@ -12,7 +12,6 @@ import pytest
 import torch
 import transformers
 
-from llmlower.api import compile_artifact
 from llmlower.errors import CaptureError
 from llmlower.frontend import capture, load
 from llmlower.ir import ATTENTION
@@ -139,10 +138,10 @@ def test_gemma2_loads_with_the_capture_and_its_ops_carry_the_extras(tiny_checkpo
 
 
 @pytest.mark.parametrize("backend", ["onnx", "tvm", "mlir"])
-def test_gemma2_greedy_tokens_equal_transformers_eager_generate(backend, tiny_checkpoints, gemma2_expected, tmp_path):
+def test_gemma2_greedy_tokens_equal_transformers_eager_generate(backend, tiny_checkpoints, gemma2_expected, compiled):
     """Three sequences at once, the longest prompt (past the window of 6) split into chunks of at most 16 tokens:
     the artifact's greedy tokens are transformers' own."""
-    out = compile_artifact(tiny_checkpoints["gemma2"], tmp_path / backend, backend=backend)
+    out = compiled(tiny_checkpoints["gemma2"], backend)
     engine = Engine.load(out, max_num_seqs=3, max_context=64, max_num_batched_tokens=16)
     results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10), chat=False)
     assert len(results[2].prompt_token_ids) > 16  # the long prompt took more than one chunk

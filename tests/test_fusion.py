@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmlower.frontend import capture, load
 from llmlower.ir import ROPE, SILU_MUL
 from llmlower.ir.program import example_inputs, fetch_attr
 from llmlower.passes import FUSION, run_pipeline
@@ -16,11 +15,10 @@ LINEAR = torch.ops.aten.linear.default
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def pair(request, tiny_checkpoints):
+def pair(request, captures):
     """(arch, unfused program, fused program), both with a KV cache."""
-    loaded = load(tiny_checkpoints[request.param])
-    unfused = run_pipeline(capture(loaded), ["canonicalize", "kv_cache"])
-    fused = run_pipeline(capture(loaded), ["canonicalize", *FUSION, "kv_cache"], verify=True)
+    unfused = run_pipeline(captures(request.param), ["canonicalize", "kv_cache"])
+    fused = run_pipeline(captures(request.param), ["canonicalize", *FUSION, "kv_cache"], verify=True)
     return request.param, unfused, fused
 
 

@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from llmlower.errors import PassError
-from llmlower.frontend import capture, load
 from llmlower.ir.program import example_inputs
 from llmlower.passes import FUSION, run_pipeline
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_prefill_of_three_sequences_returns_three_rows(arch, tiny_checkpoints):
-    full = run_pipeline(capture(load(tiny_checkpoints[arch])), ["canonicalize", *FUSION, "kv_cache"])
+def test_prefill_of_three_sequences_returns_three_rows(arch, captures):
+    full = run_pipeline(captures(arch), ["canonicalize", *FUSION, "kv_cache"])
     last = run_pipeline(copy.deepcopy(full), ["last_token_logits"], verify=True)
     inputs = example_inputs(full, batch=3, tokens=7, context=16, seed=5)
     inputs["input_lens"] = torch.tensor([7, 2, 4])
@@ -30,6 +29,6 @@ def test_prefill_of_three_sequences_returns_three_rows(arch, tiny_checkpoints):
     torch.testing.assert_close(rows, torch.cat([expected[0, 4:7], expected[1, 1:2]]), atol=1e-5, rtol=0)
 
 
-def test_needs_kv_cache_first(tiny_llama):
+def test_needs_kv_cache_first(captures):
     with pytest.raises(PassError, match="run kv_cache first"):
-        run_pipeline(capture(load(tiny_llama)), ["last_token_logits"])
+        run_pipeline(captures("llama"), ["last_token_logits"])

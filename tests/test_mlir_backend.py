@@ -156,8 +156,8 @@ def test_the_linalg_module_computes_the_step(modules, programs, arch, quant):
             np.testing.assert_allclose(value, expected[name].numpy(), atol=2e-5, rtol=1e-5, err_msg=name)
 
 
-def test_an_artifact_holds_the_module_weights_tokenizer_and_manifest(tiny_llama, tmp_path):
-    out = compile_artifact(tiny_llama, tmp_path / "mlir", backend="mlir")
+def test_an_artifact_holds_the_module_weights_tokenizer_and_manifest(tiny_llama, compiled):
+    out = compiled(tiny_llama, "mlir")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["backend"] == "mlir" and manifest["mlir"]["dialect"] == "linalg"
     assert "linalg" in manifest["mlir"]["op_dialects"] and manifest["mlir"]["static_dims"] == {}
@@ -175,11 +175,11 @@ def test_an_artifact_holds_the_module_weights_tokenizer_and_manifest(tiny_llama,
     assert "@step(" in (out / MODULE).read_text()
 
 
-def test_a_linalg_artifact_generates_what_the_reference_does(tiny_llama, tmp_path, without_torch):
+def test_a_linalg_artifact_generates_what_the_reference_does(tiny_llama, compiled, without_torch):
     """Engine.load runs the artifact through the linalg executor: greedy text of three prompts at once (one
     long enough for two prompt chunks) equals the torch reference's, every block comes back, and a process that
     cannot import torch runs it too (the runtime needs torch-mlir's MLIR libraries only)."""
-    out = compile_artifact(tiny_llama, tmp_path / "mlir", backend="mlir")
+    out = compiled(tiny_llama, "mlir")
     prompts = ["def add(a, b):", "The capital of France is", "x " * 20]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine = Engine.load(out, max_num_seqs=3, max_context=64, max_num_batched_tokens=32)

@@ -14,7 +14,6 @@ import jsonschema
 import openai
 import pytest
 
-from llmlower.api import compile_artifact
 from llmlower.runtime import Engine, SamplingParams
 from llmlower.runtime.speculative import SpeculativeConfig
 from llmlower.runtime.structured import StructuredOutput
@@ -35,12 +34,11 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def moe_artifacts(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
+def moe_artifacts(tiny_checkpoints, compiled) -> dict[str, Path]:
     """gpt-oss (sinks, clamped experts) on ONNX with a one-layer self-draft; Mixtral on TVM (paged)."""
-    root = tmp_path_factory.mktemp("moe-downstream")
     return {
-        "onnx": compile_artifact(tiny_checkpoints["gpt_oss"], root / "onnx", backend="onnx", draft_layers=1),
-        "tvm": compile_artifact(tiny_checkpoints["mixtral"], root / "tvm", backend="tvm"),
+        "onnx": compiled(tiny_checkpoints["gpt_oss"], draft_layers=1),
+        "tvm": compiled(tiny_checkpoints["mixtral"], "tvm"),
     }
 
 
@@ -81,10 +79,11 @@ def test_structured_output_is_valid_beside_a_free_request(moe_artifacts):
 def test_the_server_answers_through_the_openai_client(moe_artifacts, tmp_path, serving):
     engine = Engine.load(moe_artifacts["onnx"], max_num_seqs=4, max_context=96)
     expected = engine.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8), chat=False)[0].text
-    with serving(moe_artifacts["onnx"], log=tmp_path / "server.log") as (url, _):
+    request = {"model": "gpt-oss", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+    with serving(moe_artifacts["onnx"], "--served-model-name", "gpt-oss", log=tmp_path / "server.log") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        reply = client.completions.create(model="onnx", prompt=PROMPTS[1], max_tokens=8, temperature=0)
-        streamed = client.completions.create(model="onnx", prompt=PROMPTS[1], max_tokens=8, temperature=0, stream=True)
+        reply = client.completions.create(**request)
+        streamed = client.completions.create(**request, stream=True)
         assert reply.choices[0].text == expected == "".join(chunk.choices[0].text for chunk in streamed)
 
 

@@ -8,7 +8,6 @@ import torch
 
 from llmlower.backends.onnx.export import LoweringError, to_onnx
 from llmlower.backends.torch.program_executor import TorchExecutor
-from llmlower.frontend import capture, load
 from llmlower.passes import build_pipeline, run_pipeline
 from llmlower.runtime import StepBatch
 from llmlower.runtime.executors.onnx import OnnxSlotExecutor
@@ -49,42 +48,42 @@ def _max_difference(program, accuracy_level: int = 4) -> float:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt2"])
-def test_fp32_onnx_matches_the_torch_reference(arch, tiny_checkpoints):
-    program = run_pipeline(capture(load(tiny_checkpoints[arch])), build_pipeline())
+def test_fp32_onnx_matches_the_torch_reference(arch, captures):
+    program = run_pipeline(captures(arch), build_pipeline())
     assert _max_difference(program) <= 1e-4
 
 
 @pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4g128-sym", "q4mix"])
-def test_quantized_lowering_is_exact_in_float32(quant, tiny_checkpoints):
+def test_quantized_lowering_is_exact_in_float32(quant, captures):
     """With MatMulNBits computing in float32 (accuracy_level 0) the int4 lowering, including float zero
     points split into a symmetric MatMulNBits plus a group-sum correction, computes the reference's product."""
-    program = run_pipeline(capture(load(tiny_checkpoints["llama"])), build_pipeline(quant=quant))
+    program = run_pipeline(captures("llama"), build_pipeline(quant=quant))
     assert _max_difference(program, accuracy_level=0) <= 1e-4
 
 
 @pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4mix"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_quantized_experts_are_exact_in_float32(arch, quant, tiny_checkpoints):
+def test_quantized_experts_are_exact_in_float32(arch, quant, captures):
     """Quantized experts at accuracy_level 0: QMoE computes 4-bit packed zero points in float32; q8 and q4mix
     (QMoE has only int8 activations at 8 bits, and runs mixed bits as 8) and float zero points (q4g32) run the
     float MoE over the dequantized experts. Either way the reference's logits."""
-    program = run_pipeline(capture(load(tiny_checkpoints[arch])), build_pipeline(quant=quant))
+    program = run_pipeline(captures(arch), build_pipeline(quant=quant))
     assert program.history[-1].stats["experts_quantized"] == 2
     kernels = [n.op_type for n in to_onnx(program, accuracy_level=0).graph.node if n.op_type in ("MoE", "QMoE")]
     assert kernels == ["QMoE" if quant == "q4g32-zp4" else "MoE"] * 2
     assert _max_difference(program, accuracy_level=0) <= 1e-4
 
 
-def test_an_op_without_lowering_is_named(tiny_checkpoints):
-    program = run_pipeline(capture(load(tiny_checkpoints["gpt2"])), build_pipeline(quant="q8", quantize_embedding=True))
+def test_an_op_without_lowering_is_named(captures):
+    program = run_pipeline(captures("gpt2"), build_pipeline(quant="q8", quantize_embedding=True))
     with pytest.raises(LoweringError, match=r"cannot lower node qembedding\w* \(op llmlower.qembedding"):
         to_onnx(program)
 
 
-def test_slots_out_of_order_with_a_gap(tiny_llama):
+def test_slots_out_of_order_with_a_gap(captures):
     """Sequences in slots 2 and 0 (one run over rows 0..2, row 1 holding another sequence that must survive)
     give the logits they give in slots 0 and 1."""
-    program = run_pipeline(capture(load(tiny_llama)), build_pipeline())
+    program = run_pipeline(captures("llama"), build_pipeline())
     ours, reference = _executors(program)
     bystander = _batch([1], [[20, 21, 22]], [0])
     expected_bystander = ours.step(bystander)
@@ -100,10 +99,10 @@ def test_slots_out_of_order_with_a_gap(tiny_llama):
     assert expected_bystander.shape == (1, program.spec.vocab_size)
 
 
-def test_a_prompt_continued_in_chunks_and_mixed_steps(tiny_llama):
+def test_a_prompt_continued_in_chunks_and_mixed_steps(captures):
     """A sequence extended by several tokens at once (chunked prefill, multi-turn chat), alone and in a step
     with another sequence decoding one token, matches the reference; block copies move a prefix."""
-    program = run_pipeline(capture(load(tiny_llama)), build_pipeline())
+    program = run_pipeline(captures("llama"), build_pipeline())
     ours, reference = _executors(program)
     steps = [
         _batch([0, 1], [[5, 6, 7, 8, 9], [10, 11]], [0, 0]),

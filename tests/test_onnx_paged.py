@@ -24,7 +24,6 @@ from llmlower.api import compile_program
 from llmlower.backends.onnx.export import LoweringError, to_onnx
 from llmlower.backends.onnx.lowerings import translations
 from llmlower.backends.torch.program_executor import TorchExecutor
-from llmlower.cli import main
 from llmlower.errors import GenerationError
 from llmlower.ir import PAGED_ATTENTION
 from llmlower.passes import DEFAULT_PIPELINE
@@ -45,10 +44,8 @@ STEP = StepBatch(
 
 
 @pytest.fixture(scope="module")
-def artifact(tiny_llama, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("onnx_paged") / "llama-cuda"
-    assert main(["compile", str(tiny_llama), "-o", str(out), "--target", "cuda"]) == 0
-    return out
+def artifact(tiny_llama, compiled) -> Path:
+    return compiled(tiny_llama, target="cuda")
 
 
 @pytest.fixture(scope="module")

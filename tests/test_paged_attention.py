@@ -7,17 +7,16 @@ import pytest
 
 from llmlower.cli import main
 from llmlower.errors import PassError
-from llmlower.frontend import capture, load
 from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout
 from llmlower.step_io import KVLayout
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2", "mistral"])
-def test_the_paged_program_computes_what_the_slot_program_does(arch, tiny_checkpoints):
+def test_the_paged_program_computes_what_the_slot_program_does(arch, captures):
     """Fused qkv attention (Llama), attention after q/k norms (Qwen3), no rotary (GPT-2), a sliding window
     (Mistral); quantization after the pass is verified on packed inputs too."""
     pipeline = with_kv_layout(build_pipeline(quant="q8"), KVLayout.PAGED, block_size=4)
-    program = run_pipeline(capture(load(tiny_checkpoints[arch])), pipeline, verify=True)
+    program = run_pipeline(captures(arch), pipeline, verify=True)
     record = next(r for r in program.history if r.name == "paged_attention")
     assert record.max_error is not None and record.max_error <= 1e-5
     assert record.stats["rewritten"] == program.spec.num_layers and record.stats["block_size"] == 4
@@ -28,14 +27,14 @@ def test_the_paged_program_computes_what_the_slot_program_does(arch, tiny_checkp
     assert program.outputs[0].shape == ("logits", 1, program.spec.vocab_size)
 
 
-def test_the_pass_refuses_programs_it_cannot_page(tiny_llama):
-    captured = capture(load(tiny_llama))
+def test_the_pass_refuses_programs_it_cannot_page(captures):
+    captured = captures("llama")
     with pytest.raises(PassError, match="run kv_cache first"):
         run_pipeline(captured, ["paged_attention"])
     with pytest.raises(PassError, match="before last_token_logits"):
-        run_pipeline(capture(load(tiny_llama)), ["kv_cache", "last_token_logits", "paged_attention"])
+        run_pipeline(captures("llama"), ["kv_cache", "last_token_logits", "paged_attention"])
     with pytest.raises(PassError, match="power of two"):
-        run_pipeline(capture(load(tiny_llama)), ["kv_cache", ("paged_attention", {"block_size": 6})])
+        run_pipeline(captures("llama"), ["kv_cache", ("paged_attention", {"block_size": 6})])
     with pytest.raises(PassError, match="drop paged_attention"):
         with_kv_layout(["kv_cache", "paged_attention"], KVLayout.SLOTS)
 

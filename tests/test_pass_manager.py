@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from llmlower.errors import PassError
-from llmlower.frontend import capture, load
 from llmlower.ir.program import ASSERT_TARGETS
 from llmlower.passes import PASSES, Pass, register_pass, run_pipeline
 
 
 @pytest.fixture()
-def captured(tiny_llama):
-    return capture(load(tiny_llama))
+def captured(captures):
+    """The tiny Llama's captured program, a fresh copy per test."""
+    return captures("llama")
 
 
 def test_pipeline_records_stats_and_dumps_graphs(captured, tmp_path):

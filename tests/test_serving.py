@@ -38,16 +38,11 @@ def _assert_all_blocks_free(engine: Engine) -> None:
 
 
 @pytest.fixture(scope="module")
-def artifacts(tiny_llama, tmp_path_factory):
-    """The tiny Llama compiled for a backend (once per module): artifacts(backend) -> directory."""
-    root, built = tmp_path_factory.mktemp("serving"), {}
+def artifacts(tiny_llama, compiled):
+    """The tiny Llama compiled for a backend: artifacts(backend) -> directory."""
 
     def artifact(backend: str):
-        if backend not in built:
-            built[backend] = root / backend
-            paged = ["--block-size", str(PAGED_BLOCK)] if backend == "tvm" else []
-            assert main(["compile", str(tiny_llama), "-o", str(built[backend]), "--backend", backend, *paged]) == 0
-        return built[backend]
+        return compiled(tiny_llama, backend, **({"block_size": PAGED_BLOCK} if backend == "tvm" else {}))
 
     return artifact
 
@@ -92,14 +87,14 @@ def test_a_pool_for_four_sequences_serves_sixteen_requests(backend, tiny_llama, 
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnx"])
-def test_a_cached_system_prompt_is_not_recomputed(backend, long_llama, tmp_path):
+def test_a_cached_system_prompt_is_not_recomputed(backend, long_llama, compiled):
     if backend == "torch":
         engine = load_engine(long_llama, max_context=1024)
         fresh = load_engine(long_llama, max_context=1024, enable_prefix_caching=False)
     else:
-        assert main(["compile", str(long_llama), "-o", str(tmp_path / "onnx")]) == 0
-        engine = Engine.load(tmp_path / "onnx", max_context=1024)
-        fresh = Engine.load(tmp_path / "onnx", max_context=1024, enable_prefix_caching=False)
+        artifact = compiled(long_llama)
+        engine = Engine.load(artifact, max_context=1024)
+        fresh = Engine.load(artifact, max_context=1024, enable_prefix_caching=False)
     system = " ".join(["caches hold keys and values"] * 30)
     conversations = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in ("hi", "why?")]
     first = engine.generate(conversations[:1], GREEDY)[0]

@@ -15,6 +15,7 @@ import transformers
 from llmlower.api import compile_artifact, compile_program, load_engine, text_perplexity, tokenizer_of
 from llmlower.backends.torch.program_executor import TorchExecutor
 from llmlower.frontend import example_gguf, load
+from llmlower.ir import Program
 from llmlower.passes import build_pipeline, parse_quant, run_pipeline
 from llmlower.runtime import Engine, GenerationResult
 from llmlower.runtime.perplexity import PerplexityResult, perplexity
@@ -30,13 +31,18 @@ PROMPTS = [
 pytestmark = pytest.mark.slow
 
 
-def test_greedy_chat_equals_transformers_generate(smollm2):
+@pytest.fixture(scope="module")
+def reference_greedy(smollm2) -> list[GenerationResult]:
+    """The torch reference's greedy answers to PROMPTS, computed once for transformers' and every backend's test."""
     engine = load_engine(smollm2, max_num_seqs=3, max_context=256)
     assert engine.spec.num_kv_heads == 3 and engine.spec.num_heads == 9 and engine.spec.num_layers == 30
-    results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))
+    return engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))
+
+
+def test_greedy_chat_equals_transformers_generate(smollm2, reference_greedy):
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2).eval()
     reference_tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
-    for prompt, result in zip(PROMPTS, results, strict=True):
+    for prompt, result in zip(PROMPTS, reference_greedy, strict=True):
         text = reference_tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
@@ -44,7 +50,7 @@ def test_greedy_chat_equals_transformers_generate(smollm2):
         ids = torch.tensor([result.prompt_token_ids])
         expected = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :].tolist()
         assert result.token_ids == expected, prompt
-    assert "Paris" in results[0].text
+    assert "Paris" in reference_greedy[0].text
 
 
 def test_gguf_loads_dequantized_to_float16(smollm2):
@@ -59,23 +65,42 @@ def test_gguf_loads_dequantized_to_float16(smollm2):
         assert torch.equal(weight, reference[name].half()), name
 
 
-PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+# The essay's first 9 paragraphs (~1,000 tokens: four windows of 512 at stride 256 instead of the whole text's
+# eight). On them as on the whole text q8 and q4g32 stay within 1% of fp32 while q4g32-zp4 costs over 5%, so the
+# bounds below still tell a sound int4 grid from a shifted one.
+PERPLEXITY_TEXT = "\n\n".join(
+    (Path(__file__).parent / "data" / "perplexity.txt").read_text(encoding="utf-8").split("\n\n")[:9]
+)
+PERPLEXITY_TOKENS = 1000
 
 
-def test_perplexity_of_quantized_pipelines(smollm2):
-    """fp32, int8, int4 g32 asymmetric (float and 4-bit zero points) and int4 g128 symmetric on a fixed
-    English text of >= 2,000 tokens; bounds on int8 and int4 g32 asymmetric."""
+@pytest.fixture(scope="module")
+def torch_perplexity(smollm2):
+    """torch_perplexity(quant) -> (PerplexityResult on PERPLEXITY_TEXT, program): SmolLM2 captured once, each
+    quantization computed once for every test that compares with it."""
     loaded, base = compile_program(smollm2, build_pipeline(all_logits=True))
-    ids = tokenizer_of(loaded).encode(PERPLEXITY_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
-    assert len(ids) >= 2000
-    results = {}
-    for quant in ("none", "q8", "q4g32", "q4g32-zp4", "q4g128-sym"):
-        options = parse_quant(quant)
-        program = copy.deepcopy(base)
-        if options is not None:
-            program = run_pipeline(program, [("quantize_weights", options)])
-        executor = TorchExecutor(program, max_context=512)
-        results[quant] = (perplexity(executor.prompt_logits, ids, window=512, stride=256), program)
+    ids = tokenizer_of(loaded).encode(PERPLEXITY_TEXT, add_special_tokens=False)
+    assert len(ids) >= PERPLEXITY_TOKENS
+    results: dict[str, tuple[PerplexityResult, Program]] = {}
+
+    def measured(quant: str) -> tuple[PerplexityResult, Program]:
+        if quant not in results:
+            options = parse_quant(quant)
+            program = copy.deepcopy(base)
+            if options is not None:
+                program = run_pipeline(program, [("quantize_weights", options)])
+            executor = TorchExecutor(program, max_context=512)
+            results[quant] = (perplexity(executor.prompt_logits, ids, window=512, stride=256), program)
+        return results[quant]
+
+    return measured
+
+
+def test_perplexity_of_quantized_pipelines(torch_perplexity):
+    """fp32, int8, int4 g32 with float zero points and with 4-bit ones on a fixed English text of >= 1,000
+    tokens: int8 within 1% and int4 g32 within 5% of fp32, and the 4-bit zero points' shifted grid outside 5%
+    (the bound discriminates)."""
+    results = {quant: torch_perplexity(quant) for quant in ("none", "q8", "q4g32", "q4g32-zp4")}
     for quant, (result, program) in results.items():
         stats = program.history[-1].stats
         ratio = stats.get("quantized_weight_bytes_after", 0) / stats.get("quantized_weight_bytes_before", 1)
@@ -85,7 +110,7 @@ def test_perplexity_of_quantized_pipelines(smollm2):
         )
     fp32 = results["none"][0].perplexity
     assert results["q8"][0].perplexity <= fp32 * 1.01
-    assert results["q4g32"][0].perplexity <= fp32 * 1.05
+    assert results["q4g32"][0].perplexity <= fp32 * 1.05 < results["q4g32-zp4"][0].perplexity
     q4_stats = results["q4g32"][1].history[-1].stats
     assert q4_stats["quantized_weight_bytes_after"] <= 0.3 * q4_stats["quantized_weight_bytes_before"]
 
@@ -101,13 +126,6 @@ def fp32_artifacts(smollm2, tmp_path_factory):
         return built[backend]
 
     return artifact
-
-
-@pytest.fixture(scope="module")
-def reference_greedy(smollm2) -> list[GenerationResult]:
-    """The torch reference's greedy answers to PROMPTS, computed once for every backend's test."""
-    engine = load_engine(smollm2, max_num_seqs=3, max_context=256)
-    return engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))
 
 
 @pytest.mark.parametrize("backend", ["onnx", "tvm"])
@@ -179,25 +197,17 @@ def test_prompt_lookup_speculation_gives_the_greedy_tokens_of_plain_decoding(fp3
     assert engine.stats().kv_blocks_used == 0
 
 
-@pytest.fixture(scope="module")
-def reference_perplexity(smollm2) -> PerplexityResult:
-    """The fp32 torch reference's perplexity on PERPLEXITY_TEXT, computed once for every backend's test."""
-    text = PERPLEXITY_TEXT.read_text(encoding="utf-8")
-    return text_perplexity(smollm2, text, build_pipeline(all_logits=True))[0]
-
-
 @pytest.mark.parametrize("backend", ["onnx", "tvm"])
-def test_q4_artifact_perplexity_is_within_the_int4_bound(backend, smollm2, tmp_path, reference_perplexity):
+def test_q4_artifact_perplexity_is_within_the_int4_bound(backend, smollm2, tmp_path, torch_perplexity):
     """The q4g32 artifact as its backend runs it (ONNX Runtime: MatMulNBits with int8 activations, accuracy
     level 4; TVM: dequantize-in-matmul in float32): perplexity within +5% of the fp32 torch reference on the
     same text and windows."""
-    text = PERPLEXITY_TEXT.read_text(encoding="utf-8")
     pipeline = build_pipeline(quant="q4g32", all_logits=True)
     artifact = compile_artifact(smollm2, tmp_path / "q4", pipeline, backend=backend)
-    ours, history = text_perplexity(artifact, text, [])
-    reference = reference_perplexity
+    ours, history = text_perplexity(artifact, PERPLEXITY_TEXT, [])
+    reference = torch_perplexity("none")[0]
     print(f"q4g32 {backend} artifact perplexity {ours.perplexity:.3f}, fp32 torch {reference.perplexity:.3f}")
-    assert history[-1]["name"] == "quantize_weights" and ours.tokens == reference.tokens >= 2000
+    assert history[-1]["name"] == "quantize_weights" and ours.tokens == reference.tokens >= PERPLEXITY_TOKENS
     assert ours.perplexity <= reference.perplexity * 1.05
 
 

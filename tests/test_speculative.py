@@ -54,17 +54,12 @@ def plain(tiny_llama) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def artifacts(tiny_llama, tmp_path_factory):
-    """The tiny Llama compiled for a backend with a one-layer self-draft (once per module)."""
-    root, built = tmp_path_factory.mktemp("speculative"), {}
+def artifacts(tiny_llama, compiled):
+    """The tiny Llama compiled for a backend with a one-layer self-draft."""
 
     def artifact(backend: str):
-        if backend not in built:
-            built[backend] = root / backend
-            paged = ["--block-size", str(PAGED_BLOCK)] if backend == "tvm" else []
-            command = ["compile", str(tiny_llama), "-o", str(built[backend]), "--backend", backend]
-            assert main([*command, "--draft-layers", "1", *paged]) == 0
-        return built[backend]
+        paged = {"block_size": PAGED_BLOCK} if backend == "tvm" else {}
+        return compiled(tiny_llama, backend, draft_layers=1, **paged)
 
     return artifact
 

@@ -302,7 +302,7 @@ def test_an_artifact_for_a_cpu_this_machine_is_not_is_refused_before_loading(por
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="building for cuda needs nvcc (the CUDA toolkit)")
-def test_a_cuda_artifact_without_a_cuda_device_is_refused(tiny_llama, tmp_path, capsys):
+def test_a_cuda_artifact_without_a_cuda_device_is_refused(tiny_llama, compiled, capsys):
     import tvm
 
     from llmlower.runtime import Engine
@@ -310,7 +310,7 @@ def test_a_cuda_artifact_without_a_cuda_device_is_refused(tiny_llama, tmp_path, 
 
     if tvm.cuda(0).exist:
         pytest.skip("this machine has a CUDA device")
-    out = compile_artifact(tiny_llama, tmp_path / "cuda", backend="tvm", target="cuda")
+    out = compiled(tiny_llama, "tvm", target="cuda")
     with pytest.raises(ArtifactError, match="this artifact runs on CUDA, and TVM's runtime here finds no CUDA device"):
         Engine.load(out)
     assert main(["generate", str(out), "--prompt", "x"]) == 1

@@ -20,10 +20,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmlower.cli import main
-
 KEY = "test-key"
 MODEL = "tiny"
+ARTIFACT = "long-llama-onnx"  # also the model name a server started without --served-model-name gives
 QUESTIONS = [f"Question {i}: what comes after {i} and {i + 1}?" for i in range(64)]
 PERSON = {
     "type": "object",
@@ -38,11 +37,9 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def artifact(long_llama, tmp_path_factory) -> Path:
+def artifact(prebuilt) -> Path:
     """A tiny Llama with 1,024 positions: long enough that a request outlives its client's disconnect."""
-    out = tmp_path_factory.mktemp("serve") / "tiny-onnx"
-    assert main(["compile", str(long_llama), "-o", str(out)]) == 0
-    return out
+    return prebuilt(ARTIFACT)
 
 
 @pytest.fixture(scope="module")
@@ -544,9 +541,9 @@ def test_requests_past_the_deadline_are_aborted_beside_an_innocent_one(artifact,
     the connection open; a short request beside it gets its answer alone."""
     with serving(artifact, "--request-timeout", "0.3", log=tmp_path / "log") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        innocent = {"model": "tiny-onnx", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+        innocent = {"model": ARTIFACT, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
         alone = client.completions.create(**innocent).choices[0].text
-        endless = {"model": "tiny-onnx", "prompt": "Once upon a time", "max_tokens": 1000}
+        endless = {"model": ARTIFACT, "prompt": "Once upon a time", "max_tokens": 1000}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             streamed = pool.submit(_streamed_events, url, {**endless, "ignore_eos": True})
             with pytest.raises(openai.APIStatusError) as raised:
@@ -571,9 +568,9 @@ def test_an_n_2_request_beside_three_prompts_on_four_sequences(artifact, tmp_pat
     gets its answer alone."""
     with serving(artifact, "--max-num-seqs", "4", log=tmp_path / "log") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        shorts = [{"model": "tiny-onnx", "prompt": p, "max_tokens": 8, "temperature": 0} for p in ("a", "b c", "d e f")]
+        shorts = [{"model": ARTIFACT, "prompt": p, "max_tokens": 8, "temperature": 0} for p in ("a", "b c", "d e f")]
         alone = [client.completions.create(**short).choices[0].text for short in shorts]
-        pair = {"model": "tiny-onnx", "prompt": "Once upon a time", "max_tokens": 24, "n": 2, "temperature": 0}
+        pair = {"model": ARTIFACT, "prompt": "Once upon a time", "max_tokens": 24, "n": 2, "temperature": 0}
         for _ in range(3):
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 pairs = pool.submit(client.completions.create, **pair, extra_body={"ignore_eos": True})
@@ -592,9 +589,9 @@ def test_speculative_serving_counts_proposals_and_keeps_structured_output(artifa
     with serving(artifact, *flags, log=tmp_path / "log") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         repeated = "compile the graph, compile the graph, compile the graph, compile the"
-        client.completions.create(model="tiny-onnx", prompt=repeated, max_tokens=24, temperature=0)
+        client.completions.create(model=ARTIFACT, prompt=repeated, max_tokens=24, temperature=0)
         reply = client.chat.completions.create(
-            model="tiny-onnx",
+            model=ARTIFACT,
             messages=[{"role": "user", "content": "a person as JSON"}],
             max_tokens=80,
             temperature=0,
@@ -613,7 +610,7 @@ def test_speculative_serving_counts_proposals_and_keeps_structured_output(artifa
 def test_a_full_queue_answers_429_with_retry_after(artifact, tmp_path, serving):
     flags = ("--max-num-seqs", "1", "--max-num-batched-tokens", "8", "--max-waiting", "1")
     with serving(artifact, *flags, log=tmp_path / "log") as (url, _):
-        body = {"model": "tiny-onnx", "prompt": "a long one", "max_tokens": 100, "ignore_eos": True}
+        body = {"model": ARTIFACT, "prompt": "a long one", "max_tokens": 100, "ignore_eos": True}
 
         async def flood() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=url, timeout=120) as http:
@@ -628,7 +625,7 @@ def test_a_full_queue_answers_429_with_retry_after(artifact, tmp_path, serving):
 
 def test_sigterm_lets_running_requests_finish_then_exits(artifact, tmp_path, serving):
     with serving(artifact, "--max-context", "128", log=tmp_path / "log") as (url, process):
-        body = {"model": "tiny-onnx", "prompt": "go on", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        body = {"model": ARTIFACT, "prompt": "go on", "max_tokens": 100, "ignore_eos": True, "stream": True}
         chunks = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():

@@ -1,0 +1,48 @@
+"""The artifacts tests/runtime runs, compiled by the main environment (torch and the compiler) for the runtime's
+own environment, which has neither (make test-runtime): `python tests/runtime/prepare.py DIR`."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from llmlower.locks import locked
+
+# name -> (tiny architecture, changes to its config, `llmlower compile` flags)
+ARTIFACTS: dict[str, tuple[str, dict[str, object], tuple[str, ...]]] = {
+    # room for 1,024 positions: long enough that a served request outlives its client's disconnect
+    "long-llama-onnx": ("llama", {"max_position_embeddings": 1024}, ("--backend", "onnx")),
+}
+
+
+def build_once(entry: Path, build: Callable[[Path], object]) -> Path:
+    """`entry`, built by build(staging) and renamed into place by the first process to ask for it; the others
+    wait on its lock, then find it built."""
+    with locked(entry, exclusive=True, notify=lambda message: None):
+        if not entry.exists():
+            staging = entry.with_name(f".{entry.name}.staging")
+            shutil.rmtree(staging, ignore_errors=True)
+            build(staging)
+            staging.rename(entry)
+    return entry
+
+
+def prepare(root: Path, name: str) -> Path:
+    """root/name: ARTIFACTS[name]'s tiny checkpoint written and compiled, unless already there."""
+    arch, config, flags = ARTIFACTS[name]
+
+    def build(out: Path) -> None:
+        from llmlower.cli import main
+        from llmlower.testing import write_tiny_checkpoint
+
+        checkpoint = write_tiny_checkpoint(arch, root / ".checkpoints" / name, **config)
+        assert main(["compile", str(checkpoint), "-o", str(out), *flags]) == 0
+
+    return build_once(root / name, build)
+
+
+if __name__ == "__main__":
+    for artifact in ARTIFACTS:
+        print(prepare(Path(sys.argv[1]), artifact))
