@@ -30,7 +30,7 @@ from llmlower.errors import LlmlowerError  # noqa: E402
 from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout  # noqa: E402
 from llmlower.runtime import Engine, SamplingParams, StepBatch  # noqa: E402
 from llmlower.runtime.artifact import ArtifactError  # noqa: E402
-from llmlower.runtime.linalg_jit import mlir_context  # noqa: E402
+from llmlower.runtime.linalg_jit import jit_opt_level, mlir_context  # noqa: E402
 from llmlower.step_io import KVLayout  # noqa: E402
 
 CASES = [
@@ -298,3 +298,13 @@ def test_scatter_by_select_is_torch_scatter(dim):
     src = torch.randn(index.shape, generator=generator)
     assert torch.equal(scatter_by_select(x, dim, index, 1.0), torch.scatter(x, dim, index, 1.0))
     assert torch.equal(scatter_by_select(x, dim, index, src), torch.scatter(x, dim, index, src))
+
+
+def test_the_jit_optimization_level_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("LLMLOWER_MLIR_OPT_LEVEL", "3")
+    assert jit_opt_level() == 3
+    monkeypatch.setenv("LLMLOWER_MLIR_OPT_LEVEL", "fast")
+    with pytest.raises(LlmlowerError, match=r"LLMLOWER_MLIR_OPT_LEVEL='fast': expected 0, 1, 2 or 3"):
+        jit_opt_level()
+    monkeypatch.delenv("LLMLOWER_MLIR_OPT_LEVEL")
+    assert jit_opt_level() == 2

@@ -48,7 +48,7 @@ class EngineConfig:
     max_context). `block_size` of a paged artifact is fixed when compiling."""
 
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 128  # CPU: a step's prompt chunk stays short (benchmarks/serving.py, docs/benchmarks.md)
+    max_num_batched_tokens: int = 128  # CPU: a step's prompt chunk stays short (docs/benchmarks.md)
     max_context: int | None = 2048
     block_size: int | None = None
     num_blocks: int | None = None

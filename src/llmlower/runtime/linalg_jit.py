@@ -5,6 +5,7 @@ slow, but what the mlir backend emits, run as it is. Needs numpy and torch-mlir 
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +69,21 @@ RESULT_DTYPES = {
 }
 
 
+OPT_LEVEL_VARIABLE = "LLMLOWER_MLIR_OPT_LEVEL"
+# LLVM's optimization level for the JIT when the caller gives none. A tiny test model's step function: 11 s to
+# compile at 2 (most of it LLVM's optimizer, on the load and on the first call), 2 s at 0, where its loops then run
+# about 1.7x slower; at SmolLM2's size the loops are the time, so 2 is the default and the test suite runs at 0.
+DEFAULT_OPT_LEVEL = 2
+
+
+def jit_opt_level() -> int:
+    """The JIT's optimization level: $LLMLOWER_MLIR_OPT_LEVEL (0 to 3), else DEFAULT_OPT_LEVEL."""
+    value = os.environ.get(OPT_LEVEL_VARIABLE, str(DEFAULT_OPT_LEVEL))
+    if value not in ("0", "1", "2", "3"):
+        raise LlmlowerError(f"{OPT_LEVEL_VARIABLE}={value!r}: expected 0, 1, 2 or 3")
+    return int(value)
+
+
 def mlir_context() -> Any:
     """A fresh torch_mlir.ir.Context that parses torch, linalg, stablehlo and tosa modules."""
     from torch_mlir import ir
@@ -85,14 +101,14 @@ class LinalgFunction:
     order), it returns its results as numpy arrays. `bound`: trailing arguments the same in every call (the
     weights), passed after the call's own; their memref descriptors are made once, not per call (making SmolLM2's
     272 took 14 ms a call; its decode step takes about 130 ms). `verify` adds MLIR's runtime checks (out-of-bounds
-    accesses abort the process with the op at fault)."""
+    accesses abort the process with the op at fault); `opt_level`: LLVM's, jit_opt_level() when None."""
 
     def __init__(
         self,
         text: str,
         function: str = "step",
         bound: Sequence[np.ndarray] = (),
-        opt_level: int = 2,
+        opt_level: int | None = None,
         verify: bool = False,
     ) -> None:
         from torch_mlir import ir
@@ -111,7 +127,7 @@ class LinalgFunction:
         self.function = function
         self._bound_arrays = [np.ascontiguousarray(a) for a in bound]  # the memory the descriptors point into
         self._bound = [_descriptor(a) for a in self._bound_arrays]
-        self.engine = ExecutionEngine(module, opt_level=opt_level)
+        self.engine = ExecutionEngine(module, opt_level=jit_opt_level() if opt_level is None else opt_level)
         self._results: list[np.ndarray] | None = None
         self._callbacks = []  # kept alive as long as the engine may call them
         for op in module.body.operations:
