@@ -36,12 +36,14 @@ def pytest_configure(config: pytest.Config) -> None:
     that each spread over every core only oversubscribe them (measured: ~16% less CPU for torch-heavy files on
     this 2-core machine). The MLIR JIT compiles at LLVM's level 0: tiny models' step functions spend most of their
     time in LLVM's optimizer otherwise. Set before any test module imports torch; a value already set is kept."""
+    from llmlower.runtime.linalg_jit import OPT_LEVEL_VARIABLE
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         threads = str(max(1, (os.cpu_count() or 1) // workers))
         for name in ("OMP_NUM_THREADS", "TVM_NUM_THREADS"):
             os.environ.setdefault(name, threads)
-    os.environ.setdefault("LLMLOWER_MLIR_OPT_LEVEL", "0")
+    os.environ.setdefault(OPT_LEVEL_VARIABLE, "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
