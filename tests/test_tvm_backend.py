@@ -213,9 +213,10 @@ def test_unknown_target_and_misplaced_options_are_refused(tiny_llama, tmp_path, 
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="building for cuda needs nvcc (the CUDA toolkit)")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_a_cuda_artifact_carries_gpu_code_for_the_asked_arch(arch, tiny_llama, tmp_path, elf_arches):
-    out = compile_artifact(tiny_llama, tmp_path / arch, backend="tvm", target="cuda", cuda_arch=arch)
+@pytest.mark.parametrize(("arch", "quant"), [("sm_80", "none"), ("sm_90", "q4g32")])
+def test_a_cuda_artifact_carries_gpu_code_for_the_asked_arch(arch, quant, tiny_llama, compiled, elf_arches):
+    """float32 and int4 weights (the dequantizing matmul kernels) alike: float16, paged, the asked arch's code."""
+    out = compiled(tiny_llama, "tvm", quant, target="cuda", cuda_arch=arch)
     manifest = json.loads((out / "manifest.json").read_text())
     assert (manifest["dtype"], manifest["tvm"]["cuda_arch"]) == ("float16", arch)
     assert manifest["kv_layout"]["kind"] == "paged"
@@ -310,7 +311,7 @@ def test_a_cuda_artifact_without_a_cuda_device_is_refused(tiny_llama, compiled, 
 
     if tvm.cuda(0).exist:
         pytest.skip("this machine has a CUDA device")
-    out = compiled(tiny_llama, "tvm", target="cuda")
+    out = compiled(tiny_llama, "tvm", target="cuda", cuda_arch="sm_80")  # the artifact the test above builds
     with pytest.raises(ArtifactError, match="this artifact runs on CUDA, and TVM's runtime here finds no CUDA device"):
         Engine.load(out)
     assert main(["generate", str(out), "--prompt", "x"]) == 1
