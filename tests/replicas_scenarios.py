@@ -55,9 +55,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def artifact(tiny_llama, tmp_path_factory) -> Path:
+def artifact(request, tmp_path_factory) -> Path:
+    """The tiny Llama's ONNX artifact: the one tests/test_replicas.py names in LLMLOWER_TEST_REPLICAS_ARTIFACT (its
+    run's, built already), else compiled here."""
+    if given := os.environ.get("LLMLOWER_TEST_REPLICAS_ARTIFACT"):
+        return Path(given)
     out = tmp_path_factory.mktemp("replicas") / "tiny-onnx"
-    assert main(["compile", str(tiny_llama), "-o", str(out)]) == 0
+    assert main(["compile", str(request.getfixturevalue("tiny_llama")), "-o", str(out)]) == 0
     return out
 
 
