@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 RUNTIME_VENV ?= .venv-runtime
 # where the main environment compiles the artifacts tests/runtime runs in RUNTIME_VENV
 PREBUILT ?= build/test-artifacts
-# test files are spread over this many processes (a file's tests stay together, so its session fixtures are built once)
+# test files are spread over this many processes (a file's tests stay together, so its session fixtures are built once),
+# in tests/conftest.py's order (longest first) rather than xdist's own (most tests first)
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
 .PHONY: demo test test-main quick test-runtime docs lint format install
@@ -24,23 +26,22 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(VENV)/bin/llmlower generate example --prompt "$(PROMPT)" --max-tokens 64
 
-# The whole suite: lint; every test but tests/runtime in the main environment while the runtime's environment
-# installs beside it (pip waits on the disk more than on the CPU); then tests/runtime in that one, without torch.
+# The whole suite: lint; then every test but tests/runtime in the main environment, and beside it the runtime's
+# environment, tests/runtime in it without torch, and the docs (the main suite's workers leave a core idle while
+# they wait on servers and subprocesses; these fill it). -Oline: each line of output whole.
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(MAKE) -j2 test-main $(RUNTIME_VENV)/.installed
-	$(MAKE) test-runtime
-	$(MAKE) docs
+	$(MAKE) -j3 -Oline test-main test-runtime docs
 
 test-main: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=tests/runtime
+	$(PY) -m pytest $(XDIST) --ignore=tests/runtime
 
 # The quick loop while editing: everything but the slow tests (the real SmolLM2, Ray Serve replicas) and the
 # TVM and MLIR backends' builds and kernels (-k matches test, parameter and file names), so the frontend, the
 # passes, the ONNX backend, the runtime, the CLI and the server. make test before a commit runs the rest.
 quick: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" -k "not tvm and not mlir"
+	$(PY) -m pytest $(XDIST) -m "not slow" -k "not tvm and not mlir"
 
 # The runtime proven torch-free: the main environment compiles tests/runtime's artifacts (tests/runtime/prepare.py),
 # then RUNTIME_VENV, where torch and transformers are not installed, runs tests/runtime on them.
