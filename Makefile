@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo test test-main test-replicas quick test-runtime docs lint format install
+.PHONY: demo test test-main quick test-runtime docs lint format install
 
 install: $(VENV)/.installed
 
@@ -27,22 +27,16 @@ demo: install
 	$(VENV)/bin/llmlower generate example --prompt "$(PROMPT)" --max-tokens 64
 
 # The whole suite: lint; then every test but tests/runtime in the main environment, and beside it, as jobs of their
-# own: the Ray replica scenarios (they wait on Ray more than they compute), the runtime's environment with
-# tests/runtime in it (no torch), and the docs. The suite's workers leave a core idle while they wait on servers and
-# subprocesses; these fill it. The suite's output streams (+: make passes it through); each other job's is
-# printed whole when it ends (-Otarget).
-REPLICA_TESTS := tests/test_replicas.py
+# own, the runtime's environment with tests/runtime in it (no torch) and the docs: the suite's workers leave a core
+# idle while they wait on servers and subprocesses, and these fill it. The suite's output streams (+: make passes
+# it through); the other jobs' is printed whole as each ends (-Otarget).
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(MAKE) -j4 -Otarget test-main test-replicas test-runtime docs MAIN_IGNORE=$(REPLICA_TESTS)
+	$(MAKE) -j3 -Otarget test-main test-runtime docs
 
-# MAIN_IGNORE: test files left to a job of their own (make test's)
 test-main: install
-	+$(PY) -m pytest $(XDIST) --ignore=tests/runtime $(addprefix --ignore=,$(MAIN_IGNORE))
-
-test-replicas: install
-	$(PY) -m pytest -q $(REPLICA_TESTS)
+	+$(PY) -m pytest $(XDIST) --ignore=tests/runtime
 
 # The quick loop while editing: everything but the slow tests (the real SmolLM2, Ray Serve replicas) and the
 # TVM and MLIR backends' builds and kernels (-k matches test, parameter and file names), so the frontend, the
