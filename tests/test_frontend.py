@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
+import gguf
+import numpy as np
 import pytest
+import torch
 
+from llmlower.api import tokenizer_of
 from llmlower.cli import main
 from llmlower.errors import CheckpointError
 from llmlower.frontend import load
+from llmlower.testing import write_tiny_gguf
 
 
 def test_spec_from_checkpoint(tiny_checkpoints):
@@ -104,3 +110,26 @@ def test_file_that_is_not_gguf(tmp_path, capsys):
 
 def test_missing_path(tmp_path, capsys):
     _assert_cli_error(tmp_path / "nowhere", capsys, "nowhere", "no such file or directory")
+
+
+def test_a_gguf_file_loads_dequantized_in_the_asked_dtype(tiny_llama, tmp_path):
+    """The tiny Llama as llama.cpp writes a GGUF file (Q4_1 matrices, q and k rows in its rotary order): in float32
+    every weight is the checkpoint's on the Q4_1 grid, in transformers' order; in float16 the same weights cast;
+    the spec, the tokenizer and the chat template are the checkpoint's."""
+    path = write_tiny_gguf(tiny_llama, tmp_path / "tiny.gguf")
+    fp32, fp16, checkpoint = load(path), load(path, dtype="float16"), load(tiny_llama)
+    assert fp32.spec == checkpoint.spec and fp16.spec == replace(checkpoint.spec, dtype="float16")
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    reference = {name: weight.detach().numpy() for name, weight in checkpoint.module.named_parameters()}
+    loaded = dict(fp32.module.named_parameters())
+    assert set(loaded) == set(reference)
+    for name, weight in loaded.items():
+        expected = reference[name]
+        if expected.ndim == 2:
+            expected = gguf.quants.dequantize(gguf.quants.quantize(expected, q4_1), q4_1)
+        assert np.array_equal(weight.detach().numpy(), expected), name
+    for name, weight in fp16.module.named_parameters():
+        assert weight.dtype == torch.float16 and torch.equal(weight, loaded[name].half()), name
+    text = "The quick brown fox, 東京 🙂 and 12345."
+    assert tokenizer_of(fp32).encode(text) == tokenizer_of(checkpoint).encode(text)
+    assert fp32.tokenizer.chat_template == checkpoint.tokenizer.chat_template

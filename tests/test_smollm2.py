@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,6 @@ import transformers
 
 from llmlower.api import compile_artifact, compile_program, load_engine, text_perplexity, tokenizer_of
 from llmlower.backends.torch.program_executor import TorchExecutor
-from llmlower.frontend import example_gguf, load
 from llmlower.ir import Program
 from llmlower.passes import build_pipeline, parse_quant, run_pipeline
 from llmlower.runtime import Engine, GenerationResult
@@ -49,18 +47,6 @@ def test_greedy_chat_equals_transformers_generate(smollm2, reference_greedy):
         expected = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :].tolist()
         assert result.token_ids == expected, prompt
     assert "Paris" in reference_greedy[0].text
-
-
-def test_gguf_loads_dequantized_to_float16(smollm2):
-    """The GGUF file itself (Q4_1 blocks) loads as float16 weights equal to the fp32 checkpoint's, cast."""
-    from_gguf = load(example_gguf(), dtype="float16")
-    from_checkpoint = load(smollm2)
-    assert from_gguf.spec == replace(from_checkpoint.spec, dtype="float16")
-    assert from_gguf.num_parameters == from_checkpoint.num_parameters == 134_515_008
-    reference = dict(from_checkpoint.module.named_parameters())
-    for name, weight in from_gguf.module.named_parameters():
-        assert weight.dtype == torch.float16
-        assert torch.equal(weight, reference[name].half()), name
 
 
 # The essay's first 9 paragraphs (~1,000 tokens: four windows of 512 at stride 256 instead of the whole text's

@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 import transformers
+from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 VOCAB = 320
@@ -130,3 +133,64 @@ def write_tiny_checkpoint(arch: str, directory: Path, **config: object) -> Path:
     config = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": CHATML}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+# llama.cpp's names of a Llama checkpoint's tensors (per layer: blk.N.<name>)
+GGUF_NAMES = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_tiny_gguf(checkpoint: Path, path: Path) -> Path:
+    """A tiny Llama checkpoint (write_tiny_checkpoint's) as a GGUF file the way llama.cpp writes one: its
+    metadata and BPE tokenizer, matrices in Q4_1 blocks, q and k rows in llama.cpp's rotary order."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    vocab = sorted(tokenizer["model"]["vocab"], key=tokenizer["model"]["vocab"].get)
+    special = {token["content"] for token in tokenizer["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(vocab)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in vocab])
+    writer.add_token_merges([" ".join(merge) for merge in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_chat_template(CHATML)
+    names = dict(GGUF_NAMES)
+    for layer in range(config["num_hidden_layers"]):
+        names |= {f"model.layers.{layer}.{name}.weight": f"blk.{layer}.{gg}" for name, gg in GGUF_LAYER_NAMES.items()}
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    for name, gg in names.items():
+        weight = weights[name].astype(np.float32)
+        if gg.endswith(("attn_q", "attn_k")):  # each head's rotary halves interleaved, as llama.cpp keeps them
+            n = heads if gg.endswith("attn_q") else kv_heads
+            weight = weight.reshape(n, 2, -1, weight.shape[1]).swapaxes(1, 2).reshape(weight.shape)
+        if weight.ndim == 2:
+            q4_1 = gguf.GGMLQuantizationType.Q4_1
+            writer.add_tensor(f"{gg}.weight", gguf.quants.quantize(weight, q4_1), raw_dtype=q4_1)
+        else:
+            writer.add_tensor(f"{gg}.weight", weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
