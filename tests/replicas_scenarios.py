@@ -38,6 +38,7 @@ from llmlower.errors import LlmlowerError  # noqa: E402
 from llmlower.runtime import Engine, EngineConfig, SamplingParams  # noqa: E402
 from llmlower.serve import ServerConfig  # noqa: E402
 from llmlower.serve.replicas import REPLICA_HEADER, run_replicas  # noqa: E402
+from tests.test_replicas import ARTIFACT_VARIABLE  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -56,9 +57,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def artifact(request, tmp_path_factory) -> Path:
-    """The tiny Llama's ONNX artifact: the one tests/test_replicas.py names in LLMLOWER_TEST_REPLICAS_ARTIFACT (its
-    run's, built already), else compiled here."""
-    if given := os.environ.get("LLMLOWER_TEST_REPLICAS_ARTIFACT"):
+    """The tiny Llama's ONNX artifact: the one tests/test_replicas.py names in ARTIFACT_VARIABLE (its run's, built
+    already), else compiled here."""
+    if given := os.environ.get(ARTIFACT_VARIABLE):
         return Path(given)
     out = tmp_path_factory.mktemp("replicas") / "tiny-onnx"
     assert main(["compile", str(request.getfixturevalue("tiny_llama")), "-o", str(out)]) == 0

@@ -179,13 +179,13 @@ def write_tiny_gguf(checkpoint: Path, path: Path) -> Path:
     for layer in range(config["num_hidden_layers"]):
         names |= {f"model.layers.{layer}.{name}.weight": f"blk.{layer}.{gg}" for name, gg in GGUF_LAYER_NAMES.items()}
     weights = load_file(str(checkpoint / "model.safetensors"))
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
     for name, gg in names.items():
         weight = weights[name].astype(np.float32)
         if gg.endswith(("attn_q", "attn_k")):  # each head's rotary halves interleaved, as llama.cpp keeps them
             n = heads if gg.endswith("attn_q") else kv_heads
             weight = weight.reshape(n, 2, -1, weight.shape[1]).swapaxes(1, 2).reshape(weight.shape)
         if weight.ndim == 2:
-            q4_1 = gguf.GGMLQuantizationType.Q4_1
             writer.add_tensor(f"{gg}.weight", gguf.quants.quantize(weight, q4_1), raw_dtype=q4_1)
         else:
             writer.add_tensor(f"{gg}.weight", weight)
