@@ -60,6 +60,7 @@ ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline op
     "onnx q4g32-sym int4 head": ("q4g32-sym-head4", "onnx", {"quant": "q4g32-sym", "lm_head_bits": 4}),
     "tvm fp32": ("tvm-none", "tvm", {}),
     "tvm q4g32": ("tvm-q4g32", "tvm", {"quant": "q4g32"}),
+    "tvm q4mix": ("tvm-q4mix", "tvm", {"quant": "q4mix"}),
 }
 PROMPT_TOKENS = (13, 512)
 GENAI = "onnxruntime-genai int4"

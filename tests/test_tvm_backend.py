@@ -28,8 +28,9 @@ from llmlower.step_io import KVLayout
 BLOCK_SIZE, MAX_CONTEXT, NUM_BLOCKS = 4, 32, 40
 FORK_AT = 18  # sequence 3 starts as sequence 1's first 18 tokens: 4 shared blocks, the partial 5th copied
 # new tokens per step for sequences 0..3 (0: not in the step): three prompts; decodes with a prompt chunk taking
-# sequence 1 to FORK_AT; the fork's prompt chunk with decodes; decodes of all four
-STEPS = [[5, 9, 3, 0], [1, 9, 1, 0], [1, 1, 1, 3], [1, 1, 1, 1], [1, 1, 1, 1]]
+# sequence 1 to FORK_AT; the fork's prompt chunk with decodes; decodes of all four; one sequence's decode alone
+# (a one-row step: the CPU's quantized matmuls take another path then)
+STEPS = [[5, 9, 3, 0], [1, 9, 1, 0], [1, 1, 1, 3], [1, 1, 1, 1], [1, 1, 1, 1], [0, 1, 0, 0]]
 TOLERANCE = 1e-4
 LATENT_PASSES = (
     "canonicalize,fuse_norms,fuse_rope,fuse_projections,kv_cache,latent_cache,fuse_qkv_attention,last_token_logits"

@@ -31,7 +31,9 @@ from ...ir import (
     ROPE,
     SILU_MUL,
 )
+from .cpu_schedule import dequantize_lanes
 from .paged_kernels import emit_paged_attention, emit_paged_latent_attention
+from .qlinear_kernel import emit_qlinear, takes
 
 if TYPE_CHECKING:
     from .relax_import import StepImporter
@@ -274,6 +276,11 @@ def _qlinear_te(x: te.Tensor, qweight, scales, zeros, bias, bits: int, in_featur
 
 def qlinear(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     x, qweight, scales, zeros, bias, bits, in_features = importer.retrieve_args(node)
+    if importer.target.kind.name == "llvm":
+        group = int(qweight.ty.shape[2]) * 8 // bits
+        lanes = dequantize_lanes(importer.target, group)
+        if takes(x, scales, bits, group, in_features, int(qweight.ty.shape[0]), lanes):
+            return emit_qlinear(importer.block_builder, x, qweight, scales, zeros, bias, bits, in_features, lanes)
     tensors = [x, qweight, scales] + [t for t in (zeros, bias) if t is not None]
 
     def compute(x, qweight, scales, *rest):

@@ -1,0 +1,98 @@
+"""TVM's quantized linear kernel alone: one `qlinear` (made-up weights) through the TVM backend's converters and CPU
+pipeline, timed per call for each row count; for one row, the weight's bytes over the time, against a copy's
+bandwidth (read + written). The default shapes are SmolLM2's: q/k/v fused (576 -> 960), gate/up fused (576 ->
+3072), down (1536 -> 576) and the LM head (576 -> 49152).
+
+    .venv/bin/python benchmarks/tvm_qlinear_kernel.py [--shapes 576x3072,1536x576] [--quant q4g32-sym,q4g32-zp4]
+        [--rows 1,16,128] [--repeats 20] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import tvm
+
+from benchmarks.tvm_moe_kernel import copy_bandwidth, seconds_per_call
+from llmlower.backends.tvm.compile import compile_module, tvm_target
+from llmlower.backends.tvm.lowerings import convert_map
+from llmlower.backends.tvm.relax_import import StepImporter
+from llmlower.ir.qlinear import QLINEAR
+from llmlower.ir.quant import QuantScheme, quantize
+from llmlower.passes.pipelines import parse_quant
+from llmlower.runtime.executors.tvm import use_threads
+
+SHAPES = "576x960,576x3072,1536x576,576x49152"
+
+
+class Linear(torch.nn.Module):
+    """The op over x and the weight's tensors, all passed in (no parameters)."""
+
+    def __init__(self, bits: int, in_features: int, zeros: bool) -> None:
+        super().__init__()
+        self.bits, self.in_features, self.zeros = bits, in_features, zeros
+
+    def forward(self, x, qweight, scales, *zeros):
+        return QLINEAR.op(x, qweight, scales, zeros[0] if self.zeros else None, None, self.bits, self.in_features)
+
+
+def packed(in_features: int, out_features: int, quant: str) -> tuple[list[torch.Tensor], int]:
+    """A seeded random weight [out, in] quantized by the scheme: its tensors and bits."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.02
+    options = parse_quant(quant)
+    if options is None or "overrides" in options:
+        raise SystemExit(f"--quant {quant}: this benchmark takes one scheme (q8, q4g32, q4g32-sym, ...)")
+    scheme = QuantScheme(**options)
+    q = quantize(weight, scheme)
+    return [t for t in (q.qweight, q.scales, q.zeros) if t is not None], scheme.bits
+
+
+def compiled(module: Linear, tensors: list[torch.Tensor]) -> tvm.runtime.Executable:
+    """The module exported for any number of rows, imported by the TVM backend's converters, compiled for this
+    CPU."""
+    rows = torch.export.Dim("rows", min=1, max=4096)
+    example = (torch.randn(2, module.in_features), *tensors)
+    shapes = ({0: rows}, None, None, *([(None,)] if len(tensors) == 3 else []))  # the last: *zeros
+    exported = torch.export.export(module, example, dynamic_shapes=shapes).run_decompositions()
+    target = tvm_target("cpu")
+    relax_module = StepImporter(target).from_exported_program(exported, False, True, False, convert_map())
+    return tvm.relax.VirtualMachine(compile_module(relax_module, target), tvm.cpu())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=SHAPES, help="comma-separated IN x OUT")
+    parser.add_argument("--quant", default="q4g32-sym,q4g32-zp4,q4g32,q8")
+    parser.add_argument("--rows", default="1,16,128")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    use_threads(args.threads)
+    bandwidth = copy_bandwidth(5)
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} TVM threads, median of {args.repeats}")
+    for shape in args.shapes.split(","):
+        in_features, out_features = (int(n) for n in shape.split("x"))
+        for quant in args.quant.split(","):
+            tensors, bits = packed(in_features, out_features, quant)
+            vm = compiled(Linear(bits, in_features, len(tensors) == 3), tensors)
+            weights = [tvm.runtime.tensor(t.numpy()) for t in tensors]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            for rows in (int(n) for n in args.rows.split(",")):
+                gen = torch.Generator().manual_seed(rows)
+                calls = [
+                    [tvm.runtime.tensor(torch.randn(rows, in_features, generator=gen).numpy()), *weights]
+                    for _ in range(args.repeats)
+                ]
+                seconds = seconds_per_call(vm, calls)
+                flops = 2 * rows * in_features * out_features / seconds
+                line = f"{shape:>10} {quant:>10} rows {rows:>4}: {seconds * 1e3:8.3f} ms, {flops / 1e9:6.1f} GFLOP/s"
+                if rows == 1:
+                    rate = nbytes / seconds
+                    line += f", {rate / 1e9:.1f} GB/s of weights ({100 * rate / bandwidth:.0f}% of the copy's)"
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
