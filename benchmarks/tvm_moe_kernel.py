@@ -10,22 +10,16 @@ to other experts (random ids), so the chosen ones are not already in the cache f
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import tvm
+from kernel_timing import add_run_arguments, compiled, seconds_per_call, start
 from tvm import relax
 
-from llmlower.backends.tvm.compile import compile_module, tvm_target
-from llmlower.backends.tvm.lowerings import convert_map
-from llmlower.backends.tvm.relax_import import StepImporter
 from llmlower.ir.moe import MOE_EXPERTS
 from llmlower.ir.qmoe import QMOE_EXPERTS
 from llmlower.ir.quant import QuantScheme, quantize
 from llmlower.passes.pipelines import parse_quant
-from llmlower.roofline.ceilings import copy_probe
-from llmlower.runtime.executors.tvm import use_threads
 
 
 class Experts(torch.nn.Module):
@@ -59,15 +53,11 @@ def expert_tensors(args: argparse.Namespace, quant: str) -> tuple[list[torch.Ten
     return [t for p in packed for t in (p.qweight, p.scales)], scheme.bits
 
 
-def compiled(module: torch.nn.Module, example: tuple) -> relax.VirtualMachine:
-    """The module exported for any number of tokens, imported by the TVM backend's converters, compiled for this
-    CPU."""
+def compiled_experts(module: torch.nn.Module, example: tuple) -> relax.VirtualMachine:
+    """The module exported for any number of tokens, compiled for this CPU."""
     tokens = torch.export.Dim("tokens", min=1, max=4096)
     shapes = ({0: tokens}, {0: tokens}, {0: tokens}, (None,) * (len(example) - 3))  # the last: *experts
-    exported = torch.export.export(module, example, dynamic_shapes=shapes).run_decompositions()
-    target = tvm_target("cpu")
-    relax_module = StepImporter(target).from_exported_program(exported, False, True, False, convert_map())
-    return relax.VirtualMachine(compile_module(relax_module, target), tvm.cpu())
+    return compiled(module, example, shapes)
 
 
 def router(tokens: int, args: argparse.Namespace, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,31 +68,9 @@ def router(tokens: int, args: argparse.Namespace, seed: int = 0) -> tuple[torch.
     return x, ids, torch.rand(tokens, args.top_k, generator=gen)
 
 
-def seconds_per_call(vm: relax.VirtualMachine, calls: list[list[tvm.runtime.Tensor]]) -> float:
-    """The median over the calls' inputs, after a warm-up call with the first."""
-    vm["main"](*calls[0])
-    times = []
-    for inputs in calls:
-        start = time.perf_counter()
-        vm["main"](*inputs)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def chosen_bytes(experts: list[torch.Tensor], top_k: int) -> int:
     """The bytes of top_k experts' tensors: what a one-token call must read."""
     return top_k * sum(t[0].numel() * t[0].element_size() for t in experts)
-
-
-def copy_bandwidth(repeats: int) -> float:
-    """Bytes read plus written per second by a 512 MiB copy, the median over `repeats`."""
-    probe = copy_probe(512, "cpu")
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        probe.run()
-        times.append(time.perf_counter() - start)
-    return probe.work / statistics.median(times)
 
 
 def main() -> None:
@@ -113,15 +81,12 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--quant", default="q4g32-sym,none")
     parser.add_argument("--tokens", default="1,16,128")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2)
+    add_run_arguments(parser)
     args = parser.parse_args()
-    use_threads(args.threads)
-    bandwidth = copy_bandwidth(5)
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} TVM threads, median of {args.repeats}")
+    bandwidth = start(args)
     for quant in args.quant.split(","):
         experts, bits = expert_tensors(args, quant)
-        vm = compiled(Experts(bits), (*router(2, args), *experts))
+        vm = compiled_experts(Experts(bits), (*router(2, args), *experts))
         weights = [tvm.runtime.tensor(t.numpy()) for t in experts]
         for tokens in (int(n) for n in args.tokens.split(",")):
             routers = [router(tokens, args, seed) for seed in range(args.repeats)]

@@ -13,15 +13,11 @@ import argparse
 
 import torch
 import tvm
+from kernel_timing import add_run_arguments, compiled, seconds_per_call, start
 
-from benchmarks.tvm_moe_kernel import copy_bandwidth, seconds_per_call
-from llmlower.backends.tvm.compile import compile_module, tvm_target
-from llmlower.backends.tvm.lowerings import convert_map
-from llmlower.backends.tvm.relax_import import StepImporter
 from llmlower.ir.qlinear import QLINEAR
 from llmlower.ir.quant import QuantScheme, quantize
 from llmlower.passes.pipelines import parse_quant
-from llmlower.runtime.executors.tvm import use_threads
 
 SHAPES = "576x960,576x3072,1536x576,576x49152"
 
@@ -49,16 +45,12 @@ def packed(in_features: int, out_features: int, quant: str) -> tuple[list[torch.
     return [t for t in (q.qweight, q.scales, q.zeros) if t is not None], scheme.bits
 
 
-def compiled(module: Linear, tensors: list[torch.Tensor]) -> tvm.runtime.Executable:
-    """The module exported for any number of rows, imported by the TVM backend's converters, compiled for this
-    CPU."""
+def compiled_linear(module: Linear, tensors: list[torch.Tensor]) -> tvm.relax.VirtualMachine:
+    """The module exported for any number of rows, compiled for this CPU."""
     rows = torch.export.Dim("rows", min=1, max=4096)
     example = (torch.randn(2, module.in_features), *tensors)
     shapes = ({0: rows}, None, None, *([(None,)] if len(tensors) == 3 else []))  # the last: *zeros
-    exported = torch.export.export(module, example, dynamic_shapes=shapes).run_decompositions()
-    target = tvm_target("cpu")
-    relax_module = StepImporter(target).from_exported_program(exported, False, True, False, convert_map())
-    return tvm.relax.VirtualMachine(compile_module(relax_module, target), tvm.cpu())
+    return compiled(module, example, shapes)
 
 
 def main() -> None:
@@ -66,17 +58,14 @@ def main() -> None:
     parser.add_argument("--shapes", default=SHAPES, help="comma-separated IN x OUT")
     parser.add_argument("--quant", default="q4g32-sym,q4g32-zp4,q4g32,q8")
     parser.add_argument("--rows", default="1,16,128")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2)
+    add_run_arguments(parser)
     args = parser.parse_args()
-    use_threads(args.threads)
-    bandwidth = copy_bandwidth(5)
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} TVM threads, median of {args.repeats}")
+    bandwidth = start(args)
     for shape in args.shapes.split(","):
         in_features, out_features = (int(n) for n in shape.split("x"))
         for quant in args.quant.split(","):
             tensors, bits = packed(in_features, out_features, quant)
-            vm = compiled(Linear(bits, in_features, len(tensors) == 3), tensors)
+            vm = compiled_linear(Linear(bits, in_features, len(tensors) == 3), tensors)
             weights = [tvm.runtime.tensor(t.numpy()) for t in tensors]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             for rows in (int(n) for n in args.rows.split(",")):
