@@ -6,7 +6,9 @@ run without torch; cuda builds carry device code for the asked arch."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,6 +199,32 @@ def test_the_artifact_runs_as_the_checkpoint_without_torch(artifact, tiny_llama,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == [str([expected, expected]), "8 16"]
+
+
+def _cores() -> int:
+    """This process's CPUs counted as cores: distinct sets of hyper-thread siblings (Linux's topology files)."""
+    siblings = {
+        Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+        for cpu in os.sched_getaffinity(0)
+    }
+    return len(siblings)
+
+
+def test_an_engine_runs_tvm_on_one_thread_per_core_by_default(artifact, without_torch):
+    # TVM's own default is half the logical CPUs (hyper-threads assumed): one thread on a 2-vCPU VM
+    if not Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").exists():
+        pytest.skip("needs Linux's CPU topology files")
+    done = without_torch(
+        f"""
+        import tvm
+        from llmlower.runtime import Engine, EngineConfig, SamplingParams
+        engine = Engine.load({str(artifact)!r}, EngineConfig(max_num_seqs=1, max_context=64))
+        engine.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=2))
+        print(tvm.get_global_func("runtime.NumThreads")())
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[0]) == _cores()
 
 
 def test_unknown_target_and_misplaced_options_are_refused(tiny_llama, tmp_path, capsys):

@@ -80,12 +80,29 @@ def check_device(artifact: Path, device: str) -> None:
             )
 
 
+# The CPUs this process may run on, read at import: TVM pins a thread whose pool starts unconfigured to one CPU,
+# and threads started from it inherit that.
+PROCESS_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def physical_cores() -> int:
+    """This process's CPUs counted as cores, a core's hyper-threads once (Linux's topology files; every CPU counts
+    where they are absent): the default thread count, as ONNX Runtime's."""
+    cores = set()
+    for cpu in PROCESS_CPUS:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
+        except OSError:
+            return len(PROCESS_CPUS)
+    return len(cores)
+
+
 def use_threads(threads: int) -> None:
     """Run the calling thread's TVM kernels on `threads` threads (TVM's pool is per calling thread). Named, this
     process's CPUs lift the cap TVM otherwise puts on the pool when it starts: half the logical CPUs on x86
     (hyper-threads assumed), which is one thread on a 2-vCPU VM whatever is asked."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    tvm.get_global_func("runtime.config_threadpool")(SHARE_ALL_CORES, threads, [str(c) for c in cpus])
+    tvm.get_global_func("runtime.config_threadpool")(SHARE_ALL_CORES, threads, [str(c) for c in PROCESS_CPUS])
 
 
 def use_prebuilt_kernels(binary: bytes, source_sha256: str) -> None:
@@ -215,8 +232,8 @@ class TvmExecutor(Executor):
         return self._step(*args, *self.params).numpy()
 
     def _configure_pool(self) -> None:
-        """Give the calling thread's TVM pool `threads` threads, once per thread (an engine steps on its own
-        thread, not the one that built the executor)."""
-        if self.threads > 0 and not getattr(self._pooled, "done", False):
-            use_threads(self.threads)
+        """Give the calling thread's TVM pool `threads` threads (0: one per core, physical_cores), once per thread
+        (an engine steps on its own thread, not the one that built the executor)."""
+        if not getattr(self._pooled, "done", False):
+            use_threads(self.threads or physical_cores())
             self._pooled.done = True
