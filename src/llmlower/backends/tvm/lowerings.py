@@ -31,9 +31,10 @@ from ...ir import (
     ROPE,
     SILU_MUL,
 )
+from . import norm_kernel, rope_kernel
 from .cpu_schedule import dequantize_lanes
 from .paged_kernels import emit_paged_attention, emit_paged_latent_attention
-from .qlinear_kernel import emit_qlinear, takes
+from .qlinear_kernel import emit_qlinear, nibble_order, takes
 
 if TYPE_CHECKING:
     from .relax_import import StepImporter
@@ -62,6 +63,8 @@ def rms_norm(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
 
 def add_rms_norm(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     x, residual, weight, eps = importer.retrieve_args(node)
+    if importer.target.kind.name == "llvm" and norm_kernel.takes(x, residual, weight):
+        return norm_kernel.emit_add_rms_norm(importer.block_builder, x, residual, weight, eps)
     total = _emit(importer, relax.op.add(x, residual))
     normed = _emit(importer, relax.op.nn.rms_norm(total, weight, axes=-1, epsilon=eps))
     return relax.Tuple([normed, total])
@@ -157,16 +160,26 @@ def paged_qkv_attention(node: torch.fx.Node, importer: StepImporter) -> relax.Ex
     qkv, k_pool, v_pool, _, _, _, cos_table, sin_table, heads, kv_heads = args[:10]
     head_dim, value_head_dim = int(k_pool.ty.shape[3]), int(v_pool.ty.shape[3])
     tokens = qkv.ty.shape[1]
-    positions = _emit(importer, relax.op.reshape(importer.position_ids, [tokens]))
-    cos, sin = (_emit(importer, relax.op.take(t, positions, axis=0, mode="clip")) for t in (cos_table, sin_table))
-    cos, sin = (_emit(importer, relax.op.expand_dims(relax.op.concat([t, t], 1), 1)) for t in (cos, sin))
-    parts = _emit(importer, relax.op.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=2))
-    q, k, v = (_emit(importer, relax.TupleGetItem(parts, i)) for i in range(3))
-    heads_of = ((heads, head_dim), (kv_heads, head_dim), (kv_heads, value_head_dim))
-    q, k, v = (
-        _emit(importer, relax.op.reshape(x, [tokens, *shape])) for x, shape in zip((q, k, v), heads_of, strict=True)
-    )
-    q, k = (_rotate(importer, x, cos, sin) for x in (q, k))
+    if importer.target.kind.name == "llvm" and rope_kernel.takes(qkv, cos_table, sin_table, head_dim):
+        q, k, v = rope_kernel.emit_rotated_qkv(
+            importer.block_builder,
+            qkv,
+            importer.position_ids,
+            (cos_table, sin_table),
+            heads,
+            kv_heads,
+            head_dim,
+            value_head_dim,
+        )
+    else:
+        cos, sin = importer.rotary(cos_table, sin_table)
+        parts = _emit(importer, relax.op.split(qkv, [heads * head_dim, (heads + kv_heads) * head_dim], axis=2))
+        q, k, v = (_emit(importer, relax.TupleGetItem(parts, i)) for i in range(3))
+        heads_of = ((heads, head_dim), (kv_heads, head_dim), (kv_heads, value_head_dim))
+        q, k, v = (
+            _emit(importer, relax.op.reshape(x, [tokens, *shape])) for x, shape in zip((q, k, v), heads_of, strict=True)
+        )
+        q, k = (_rotate(importer, x, cos, sin) for x in (q, k))
     out = emit_paged_attention(
         importer.block_builder,
         q,
@@ -207,7 +220,7 @@ def _dequantized(
     """A TE expression builder w(*rows, k) for the float weight of a quantized one (ir/quant.py's layout:
     qweight [..., N, blocks, bytes per block], nibbles low first; zeros None, float [..., N, blocks] or nibbles;
     `rows` index the leading dims and N: (n,) for a linear, (expert, n) for a MoE layer's experts).
-    `nibble_major` (4 bits): k counts each group's low nibbles, then its high ones (see `_nibble_order`)."""
+    `nibble_major` (4 bits): k counts each group's low nibbles, then its high ones (see `nibble_order`)."""
     per_byte = 8 // bits
     group = int(qweight.shape[-1]) * per_byte
     half = group // 2
@@ -233,15 +246,8 @@ def _dequantized(
     return weight
 
 
-def _nibble_order(group: int) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
-    """The input feature a 4-bit matmul reduces at step k: each group's low nibbles (even features) first, then
-    its high ones (odd features), so that consecutive steps read consecutive weight bytes (vector loads)."""
-    half = group // 2
-    return lambda k: k // group * group + k % half * 2 + k % group // half
-
-
 def _reduced_in_nibble_order(bits: int, group: int, in_features: int, cpu: bool) -> bool:
-    """Whether a matmul reduces 4-bit weights in `_nibble_order`: on the CPU (DLight's GPU GEMV rule fails on the
+    """Whether a matmul reduces 4-bit weights in `nibble_order`: on the CPU (DLight's GPU GEMV rule fails on the
     reordered x), where the groups divide the features (a padded last group keeps the plain order)."""
     return cpu and bits == 4 and in_features % group == 0
 
@@ -249,7 +255,7 @@ def _reduced_in_nibble_order(bits: int, group: int, in_features: int, cpu: bool)
 def _in_nibble_order(x: te.Tensor, group: int) -> te.Tensor:
     """x's features in the order a nibble-major reduction reads the weights, once (the matmul then reads both
     contiguously)."""
-    feature = _nibble_order(group)
+    feature = nibble_order(group)
     return te.compute(x.shape, lambda *i: x[(*i[:-1], feature(i[-1]))], name="nibble_order")
 
 

@@ -13,6 +13,7 @@ features and high nibbles against its odd ones, from a copy of x in that order m
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 from tvm import relax, tirx
@@ -25,6 +26,13 @@ ROWS = 8  # weight rows per task; several activation rows run their dot products
 # totals) for 4-bit weights; int8 rows read one at a time, a single stream, ran twice as fast from memory (SmolLM2's
 # LM head on Zen 3: 3.0 ms against 5.6-7.0 with 2-8 rows; 4-bit: 2.6 ms with 4 rows, 3.8 with 1)
 DECODE_ROWS = {4: 4, 8: 1}
+
+
+def nibble_order(group: int) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """The input feature a 4-bit matmul reduces at step k: each group's low nibbles (even features) first, then
+    its high ones (odd features), so that consecutive steps read consecutive weight bytes (vector loads)."""
+    half = group // 2
+    return lambda k: k // group * group + k % half * 2 + k % group // half
 
 
 def takes(
@@ -78,10 +86,7 @@ def qlinear_kernel(
             total = total + acc[r, lane]
         return total
 
-    def feature(k):  # the feature x_order[k] holds: 4-bit, each group's even features, then its odd ones
-        if bits == 8:
-            return k
-        return k // group * group + k % half * 2 + k % group // half
+    feature = nibble_order(group) if bits == 4 else (lambda k: k)  # the feature x_order[k] holds
 
     @T.prim_func(s_tir=True, private=True)
     def qlinear(x_h: T.handle, w_h: T.handle, s_h: T.handle, z_h: T.handle, b_h: T.handle, out_h: T.handle):

@@ -55,6 +55,7 @@ class StepImporter(ExportedProgramImporter):
         super().__init__()
         self.target = target
         self._step_inputs: tuple[relax.Expr, relax.Expr, relax.Expr] | None = None
+        self._rotary: dict[tuple[relax.Expr, relax.Expr], tuple[relax.Var, relax.Var]] = {}
 
     def _reshape(self, node: torch.fx.Node) -> relax.Var:
         """aten.reshape / view with symbolic sizes: TVM's own compares the shapes with Python's == (an error on
@@ -82,6 +83,17 @@ class StepImporter(ExportedProgramImporter):
     def position_ids(self) -> relax.Var:
         """position_ids [1, tokens]: each packed token's position in its sequence."""
         return self.users[POSITION_IDS]
+
+    def rotary(self, cos_table: relax.Expr, sin_table: relax.Expr) -> tuple[relax.Var, relax.Var]:
+        """cos and sin [tokens, 1, head_dim] at position_ids from the tables [positions, head_dim / 2], made once per
+        pair of tables (every layer shares them), not once per layer."""
+        if (cos_table, sin_table) not in self._rotary:
+            bb = self.block_builder
+            positions = bb.emit(relax.op.reshape(self.position_ids, [self.position_ids.ty.shape[1]]))
+            rows = (bb.emit(relax.op.take(t, positions, axis=0, mode="clip")) for t in (cos_table, sin_table))
+            cos, sin = (bb.emit(relax.op.expand_dims(relax.op.concat([t, t], 1), 1)) for t in rows)
+            self._rotary[cos_table, sin_table] = (cos, sin)
+        return self._rotary[cos_table, sin_table]
 
     def kernel_inputs(self) -> tuple[relax.Expr, relax.Expr, relax.Expr]:
         """block_tables [S, M], past_lens [S] and query_start [S + 1] as the kernels take them (int32)."""
