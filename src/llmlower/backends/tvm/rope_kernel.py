@@ -21,6 +21,8 @@ def takes(qkv: relax.Expr, cos_table: relax.Expr, sin_table: relax.Expr, head_di
     (rotating whole heads)."""
     return (
         qkv.ty.ndim == 3
+        and isinstance(qkv.ty.shape[0], tirx.IntImm)
+        and int(qkv.ty.shape[0]) == 1
         and all(
             t.ty.ndim == 2
             and all(isinstance(d, tirx.IntImm) for d in t.ty.shape)
