@@ -2,8 +2,7 @@
 
 On a shared machine one artifact's speed can drift by 2x between runs minutes apart. Here the artifacts take turns,
 one generation each per round, so a slow moment hits a round's every artifact alike; the figure is the median over
-rounds of each artifact's tokens/s over the first's in that round. Compare artifacts of one backend: ONNX Runtime's
-threads spin after each run and slow the next TVM kernel in the same process.
+rounds of each artifact's tokens/s over the first's in that round.
 
     .venv/bin/python benchmarks/paired_decode.py BEFORE AFTER [...] [--rounds 12] [--new-tokens 96] [--threads N]
 """
