@@ -13,9 +13,8 @@ import tvm
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
+from .cpu_schedule import LANES
 from .paged_kernels import ATTRS
-
-LANES = 8  # float32 lanes of the sum of squares (one AVX2 vector)
 
 
 def takes(x: relax.Expr, residual: relax.Expr, weight: relax.Expr) -> bool:

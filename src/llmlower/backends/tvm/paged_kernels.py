@@ -30,8 +30,9 @@ from tvm import relax, te, tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from .cpu_schedule import LANES  # float32 partial sums per dot product on CPU (one AVX2 register)
+
 NEG = -1e30  # a finite minus infinity: exp(NEG - m) is 0 and NEG - NEG is no NaN
-LANES = 8  # float32 partial sums per dot product on CPU (one AVX2 register)
 CUDA_THREADS = 64  # threads per CUDA thread block (and positions per attention tile)
 # scheduled already (DLight skips them) and opaque to FuseOps (op_pattern kOpaque), which would otherwise take
 # the block copy for an elementwise op
