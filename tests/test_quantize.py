@@ -44,7 +44,7 @@ def reference_dequantized(weight: np.ndarray, scheme: QuantScheme) -> np.ndarray
                 q = np.clip(np.round(w / scale), -127, 127)
                 out[r, start : start + group] = q * scale
             elif scheme.symmetric:
-                scale = np.float32(np.abs(w).max() / np.float32(7))
+                scale = np.float32(w[np.argmax(np.abs(w))] / np.float32(-8))
                 q = np.clip(np.round(w / scale), -8, 7) + 8
                 out[r, start : start + group] = (q - 8) * scale
             elif not scheme.packed_zeros:

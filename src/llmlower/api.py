@@ -17,7 +17,7 @@ from .errors import ArgumentError, LlmlowerError
 from .frontend import LoadedModel, capture, load, resolve_model
 from .frontend.calibration import calibration_ids
 from .ir import Program
-from .passes import DEFAULT_PIPELINE, run_pipeline, with_kv_layout
+from .passes import DEFAULT_PIPELINE, PASSES, run_pipeline, with_kv_layout
 from .passes.manager import PassSpec
 from .progress import stage
 from .runtime import Engine, EngineConfig, Tokenizer
@@ -41,23 +41,36 @@ def compile_program(
 ) -> tuple[LoadedModel, Program]:
     """Load MODEL (checkpoint directory, .gguf file or 'example'), capture it and run the pipeline; with
     `kv_layout`, the pipeline is first adapted to it (PAGED adds paged_attention with `block_size`); an int8
-    `kv_cache_dtype` adds the kv_cache_dtype pass last (with_kv_cache_dtype)."""
+    `kv_cache_dtype` adds the kv_cache_dtype pass last (with_kv_cache_dtype); calibrated passes get their text
+    (with_calibration)."""
     check_block_size(block_size)
     if kv_layout is not None:
         pipeline = with_kv_layout(pipeline, kv_layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
-    pipeline = with_kv_cache_dtype(pipeline, kv_cache_dtype, loaded)
+    pipeline = with_calibration(with_kv_cache_dtype(pipeline, kv_cache_dtype), loaded)
     program = run_pipeline(capture(loaded), pipeline, verify=verify, dump_dir=dump_dir)
     return loaded, program
 
 
-def with_kv_cache_dtype(pipeline: Sequence[PassSpec], kv_cache_dtype: str, loaded: LoadedModel) -> list[PassSpec]:
-    """The pipeline with, for an int8 cache, the kv_cache_dtype pass last: its scales calibrated on
-    frontend.calibration's text in the model's own tokens (float caches need no pass: they are the model's dtype)."""
+def with_kv_cache_dtype(pipeline: Sequence[PassSpec], kv_cache_dtype: str) -> list[PassSpec]:
+    """The pipeline with, for an int8 cache, the kv_cache_dtype pass last (float caches need no pass: they are the
+    model's dtype)."""
     if kv_cache_dtype != "int8":
         return list(pipeline)
+    return [*pipeline, ("kv_cache_dtype", {"dtype": "int8"})]
+
+
+def with_calibration(pipeline: Sequence[PassSpec], loaded: LoadedModel) -> list[PassSpec]:
+    """The pipeline with each calibrated pass (awq, kv_cache_dtype) given frontend.calibration's text in the
+    model's own tokens where its options leave `calibration` out."""
+    steps = [(p, {}) if isinstance(p, str) else (p[0], dict(p[1])) for p in pipeline]
+    if not any(name in PASSES and PASSES[name].calibrated and "calibration" not in o for name, o in steps):
+        return list(pipeline)
     calibration = calibration_ids(tokenizer_of(loaded))
-    return [*pipeline, ("kv_cache_dtype", {"dtype": "int8", "calibration": calibration})]
+    for name, options in steps:
+        if name in PASSES and PASSES[name].calibrated:
+            options.setdefault("calibration", calibration)
+    return [name if not options else (name, options) for name, options in steps]
 
 
 def check_draft_layers(draft_layers: int | Sequence[int] | None, num_layers: int | None = None) -> list[int]:
@@ -228,7 +241,7 @@ def compile_artifact(
     pipeline = with_kv_layout(pipeline, layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
     check_draft_layers(drafts, loaded.spec.num_layers)  # before minutes of compiling
-    pipeline = with_kv_cache_dtype(pipeline, kv_cache_dtype, loaded)
+    pipeline = with_calibration(with_kv_cache_dtype(pipeline, kv_cache_dtype), loaded)
     program = run_pipeline(capture(loaded), pipeline, verify=verify)
 
     def write_tokenizer(directory: Path) -> None:

@@ -21,7 +21,13 @@ def pass_pipeline(args: argparse.Namespace, all_logits: bool = False, default_qu
 
     quant = args.quant or default_quant
     return build_pipeline(
-        args.passes, quant, args.keep, args.quant_embedding, all_logits=all_logits, lm_head_bits=args.lm_head_bits
+        args.passes,
+        quant,
+        args.keep,
+        args.quant_embedding,
+        all_logits=all_logits,
+        lm_head_bits=args.lm_head_bits,
+        awq=args.awq,
     )
 
 
@@ -38,6 +44,7 @@ def check_artifact_options(args: argparse.Namespace) -> None:
         "--keep": args.keep,
         "--quant-embedding": args.quant_embedding,
         "--lm-head-bits": args.lm_head_bits,
+        "--awq": args.awq,
         "--dtype": args.dtype,
         "--kv-cache-dtype": args.kv_cache_dtype != "auto",
         "--verify": getattr(args, "verify", False),

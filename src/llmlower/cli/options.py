@@ -46,6 +46,11 @@ def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant-embedding", action="store_true", help="also quantize the embedding table")
     parser.add_argument("--lm-head-bits", type=int, choices=[4, 8], help="LM head under --quant (default 8)")
     parser.add_argument(
+        "--awq",
+        action="store_true",
+        help="activation-aware scales before int4 --quant (the awq pass: calibrated on a built-in text)",
+    )
+    parser.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"], help="default float32 (compile for cuda: float16)"
     )
     parser.add_argument(

@@ -10,7 +10,9 @@ the tensors without repacking; a weight [N, K] becomes
 with blocks = ceil(K / group) and K zero-padded to blocks x group. A MoE layer's experts [E, N, K] are E such
 weights stacked: each tensor above gets a leading [E] (ONNX Runtime's QMoE reads them so).
 Dequantized: (q - zero) * scale.
-Symmetric: scale = max|w| / 7, q = clamp(round(w / scale), -8, 7) + 8.
+Symmetric (llama.cpp's Q4_0 grid): scale = p / -8 with p the group's weight of largest |w| (its sign kept, so a
+scale may be negative), q = clamp(round(w / scale), -8, 7) + 8: p is step -8 and all 16 steps are in use, where
+max|w| / 7 would leave -8 unused (SmolLM2 at q4g32-sym: perplexity 36.6 with max|w| / 7, 31.5 with this).
 Asymmetric, float zero points (llama.cpp's Q4_1 grid): scale = (max - min) / 15, q = clamp(round((w - min) /
 scale), 0, 15), zero = -min / scale. A checkpoint that was Q4_1 (as the example GGUF is) is reproduced exactly.
 Asymmetric, 4-bit zero points: lo = min(w, 0), hi = max(w, 0), scale = (hi - lo) / 15,
@@ -90,7 +92,10 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
     w = w.reshape(*rows, blocks, group)
     if scheme.symmetric:
         top = 2 ** (scheme.bits - 1) - 1  # 7 or 127
-        scales = w.abs().amax(dim=-1) / top
+        if scheme.bits == 4:  # the group's largest |w|, sign kept, at -8: all 16 steps in use
+            scales = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))[..., 0] / -8
+        else:
+            scales = w.abs().amax(dim=-1) / top
         scales = torch.where(scales == 0, torch.ones_like(scales), scales)
         q = torch.clamp(torch.round(w / scales[..., None]), -top - (scheme.bits == 4), top) + top + 1
         if scheme.bits == 8:

@@ -1,6 +1,7 @@
 """Graph -> graph rewrites: each pass is a module that registers itself; the manager runs pipelines."""
 
 from . import (  # noqa: F401  (registration)
+    awq,
     canonicalize,
     draft_layers,
     eager_attention,

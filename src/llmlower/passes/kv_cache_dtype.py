@@ -199,5 +199,6 @@ register_pass(
         run=kv_cache_dtype,
         tolerance=0.1,
         verification=Verification(inputs=_fresh_prompts, run=_logits_of_int8),
+        calibrated=True,
     )
 )

@@ -62,10 +62,11 @@ def build_pipeline(
     quantize_embedding: bool = False,
     all_logits: bool = False,
     lm_head_bits: int | None = None,
+    awq: bool = False,
 ) -> list[PassSpec]:
     """The pass list for `passes` (comma-separated names, default DEFAULT_PIPELINE) and the quant options
-    (`lm_head_bits`: 8 or 4 for the LM head, default 8). `all_logits` leaves out last_token_logits
-    (perplexity scores every position)."""
+    (`lm_head_bits`: 8 or 4 for the LM head, default 8; `awq`: the awq pass before quantize_weights, with the same
+    options). `all_logits` leaves out last_token_logits (perplexity scores every position)."""
     names = list(DEFAULT_PIPELINE) if passes is None else passes
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
@@ -74,8 +75,8 @@ def build_pipeline(
             raise PassError(f"--passes: unknown pass {name!r} (registered: {', '.join(PASSES)})")
     pipeline: list[PassSpec] = [n for n in names if not (all_logits and n == "last_token_logits")]
     options = parse_quant(quant)
-    if options is None and (keep or quantize_embedding or lm_head_bits):
-        raise PassError("--keep, --quant-embedding and --lm-head-bits need --quant")
+    if options is None and (keep or quantize_embedding or lm_head_bits or awq):
+        raise PassError("--keep, --quant-embedding, --lm-head-bits and --awq need --quant")
     if options is not None:
         options.update(
             keep_lm_head="lm_head" in keep,
@@ -84,6 +85,8 @@ def build_pipeline(
         )
         if lm_head_bits is not None:
             options["lm_head_bits"] = lm_head_bits
+        if awq:
+            pipeline.append(("awq", {"quant": dict(options)}))
         pipeline.append(("quantize_weights", options))
     return pipeline
 

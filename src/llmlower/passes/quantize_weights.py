@@ -13,6 +13,7 @@ embedding and LM head) is quantized once and shared.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ class _Store:
             return [self.gm.graph.get_attr(n) if n is not None else None for n in names]
 
 
-def _as_linear(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, Any, bool] | None:
+def as_linear(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, Any, bool] | None:
     """(x, weight, bias, transposed) of a matmul by a constant weight: aten.linear (weight [out, in]) or
     the addmm of GPT-2's Conv1D (weight [in, out])."""
     if node.op != "call_function":
@@ -89,6 +90,41 @@ def _scheme(bits: int, group: int = 32, symmetric: bool = False, packed_zeros: b
 def _override(target: str, special: list[tuple[str, QuantScheme]], default: QuantScheme) -> QuantScheme:
     """The scheme of the first override whose name is in the weight's name, else the default."""
     return next((scheme for name, scheme in special if name in target), default)
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """The scheme each weight gets from quantize_weights' options (read by the passes that prepare for it)."""
+
+    scheme: QuantScheme
+    head: QuantScheme | None  # None: the LM head stays float
+    special: list[tuple[str, QuantScheme]]
+    keep: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls,
+        bits: int = 4,
+        group: int = 32,
+        symmetric: bool = False,
+        packed_zeros: bool = False,
+        keep_lm_head: bool = False,
+        lm_head_bits: int = 8,
+        keep: Sequence[str] = (),
+        overrides: Sequence[tuple[str, dict[str, Any]]] = (),
+        quantize_embedding: bool = False,
+    ) -> QuantPlan:
+        """Raises ValueError or TypeError for options no scheme has (quantize_embedding: the embedding takes the
+        default scheme, or the head's when tied to it)."""
+        head = None if keep_lm_head else _scheme(lm_head_bits, group, symmetric, packed_zeros)
+        special = [(name, _scheme(**options)) for name, options in overrides]
+        return cls(_scheme(bits, group, symmetric, packed_zeros), head, special, tuple(keep))
+
+    def scheme_for(self, target: str) -> QuantScheme | None:
+        """A linear's scheme by its weight's name (not the LM head's); None where `keep` leaves it float."""
+        if any(k in target for k in self.keep):
+            return None
+        return _override(target, self.special, self.scheme)
 
 
 def _swap(graph: torch.fx.Graph, node: torch.fx.Node, op: Any, args: tuple, kwargs: dict | None = None) -> None:
@@ -142,11 +178,10 @@ def quantize_weights(
     overrides: Sequence[tuple[str, dict[str, Any]]] = (),
 ) -> tuple[Program, dict[str, Any]]:
     try:
-        scheme = _scheme(bits, group, symmetric, packed_zeros)
-        head_scheme = _scheme(lm_head_bits, group, symmetric, packed_zeros)
-        special = [(name, _scheme(**options)) for name, options in overrides]
+        plan = QuantPlan.of(bits, group, symmetric, packed_zeros, keep_lm_head, lm_head_bits, keep, overrides)
     except (TypeError, ValueError) as exc:
         raise PassError(f"quantize_weights: {exc}") from None
+    scheme, special = plan.scheme, plan.special
     gm = program.graph_module
     graph = gm.graph
     store = _Store(gm)
@@ -154,14 +189,16 @@ def quantize_weights(
     head_weight = fetch_attr(gm, head.args[1].target) if head is not None and is_constant(head.args[1]) else None
     kept = quantized = embeddings = 0
     for node in list(graph.nodes):
-        matmul = _as_linear(node)
+        matmul = as_linear(node)
         if matmul is None:
             continue
         x, weight, bias, transposed = matmul
-        if (node is head and keep_lm_head) or any(k in weight.target for k in keep):
+        node_scheme = plan.scheme_for(weight.target)
+        if node is head and node_scheme is not None:
+            node_scheme = plan.head
+        if node_scheme is None:
             kept += 1
             continue
-        node_scheme = head_scheme if node is head else _override(weight.target, special, scheme)
         packed, names = store.get(weight.target, node_scheme, transposed)
         qweight, scales, zeros = store.attrs(node, names)
         _swap(graph, node, QLINEAR.overload, (x, qweight, scales, zeros, bias, node_scheme.bits, packed.in_features))
@@ -172,7 +209,7 @@ def quantize_weights(
             continue
         table = fetch_attr(gm, node.args[0].target)
         tied = head_weight is not None and not keep_lm_head and table.data_ptr() == head_weight.data_ptr()
-        node_scheme = head_scheme if tied else scheme  # a table tied to the head shares its quantized form
+        node_scheme = plan.head if tied else scheme  # a table tied to the head shares its quantized form
         packed, names = store.get(node.args[0].target, node_scheme)
         qweight, scales, zeros = store.attrs(node, names)
         _swap(
@@ -186,7 +223,7 @@ def quantize_weights(
     return program, {
         "scheme": scheme.name,
         "overrides": {name: override.name for name, override in special},
-        "lm_head": "kept" if keep_lm_head else head_scheme.name,
+        "lm_head": "kept" if plan.head is None else plan.head.name,
         "linears_quantized": quantized,
         "linears_kept": kept,
         "experts_quantized": experts,

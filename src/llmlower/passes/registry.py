@@ -35,7 +35,9 @@ class Pass:
     `run(program, **options)` returns the rewritten program and a dict of pass-specific stats (e.g. the
     number of pattern matches). `tolerance` bounds verification's relative error for this pass: a number,
     or a function of the pass's options (quantization depends on the bit width). `verification` replaces the
-    default check (both programs on the same random inputs) where the inputs' meaning changes.
+    default check (both programs on the same random inputs) where the inputs' meaning changes. A `calibrated`
+    pass runs the program on real text: the compile fills its `calibration` option (token ids of
+    frontend.calibration's text) when the pipeline leaves it out.
     """
 
     name: str
@@ -44,6 +46,7 @@ class Pass:
     run: Callable[..., tuple[Program, dict[str, Any]]]
     tolerance: float | Callable[[dict[str, Any]], float] = 1e-5
     verification: Verification | None = None
+    calibrated: bool = False
 
     def tolerance_for(self, options: dict[str, Any]) -> float:
         return self.tolerance(options) if callable(self.tolerance) else self.tolerance
