@@ -50,14 +50,15 @@ from llmlower.runtime.artifact import read_manifest
 from llmlower.spec import ModelSpec
 
 PEERS = Path(__file__).parent / "peers"
-# row -> (artifact directory name, build_pipeline options). The last row reads what onnxruntime-genai's
-# int4 model reads per token (symmetric int4, int4 LM head): the same bytes, at its perplexity cost.
+# The "q4g32-sym int4 head" row reads what onnxruntime-genai's int4 model reads per token (symmetric int4, int4 LM
+# head): the same bytes, at its perplexity cost; "q4g32-sym awq" is symmetric int4 with activation-aware scales.
 ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline options)
     "onnx fp32": ("none", "onnx", {}),
     "onnx q8": ("q8", "onnx", {"quant": "q8"}),
     "onnx q4g32": ("q4g32", "onnx", {"quant": "q4g32"}),
     "onnx q4mix": ("q4mix", "onnx", {"quant": "q4mix"}),
     "onnx q4g32-sym int4 head": ("q4g32-sym-head4", "onnx", {"quant": "q4g32-sym", "lm_head_bits": 4}),
+    "onnx q4g32-sym awq": ("q4g32-sym-awq", "onnx", {"quant": "q4g32-sym", "awq": True}),
     "tvm fp32": ("tvm-none", "tvm", {}),
     "tvm q4g32": ("tvm-q4g32", "tvm", {"quant": "q4g32"}),
     "tvm q4mix": ("tvm-q4mix", "tvm", {"quant": "q4mix"}),

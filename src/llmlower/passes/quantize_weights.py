@@ -100,6 +100,7 @@ class QuantPlan:
     head: QuantScheme | None  # None: the LM head stays float
     special: list[tuple[str, QuantScheme]]
     keep: tuple[str, ...]
+    embedding: bool  # the embedding table too (the head's scheme when tied to it)
 
     @classmethod
     def of(
@@ -114,11 +115,10 @@ class QuantPlan:
         overrides: Sequence[tuple[str, dict[str, Any]]] = (),
         quantize_embedding: bool = False,
     ) -> QuantPlan:
-        """Raises ValueError or TypeError for options no scheme has (quantize_embedding: the embedding takes the
-        default scheme, or the head's when tied to it)."""
+        """quantize_weights' options; raises ValueError or TypeError for options no scheme has."""
         head = None if keep_lm_head else _scheme(lm_head_bits, group, symmetric, packed_zeros)
         special = [(name, _scheme(**options)) for name, options in overrides]
-        return cls(_scheme(bits, group, symmetric, packed_zeros), head, special, tuple(keep))
+        return cls(_scheme(bits, group, symmetric, packed_zeros), head, special, tuple(keep), quantize_embedding)
 
     def scheme_for(self, target: str) -> QuantScheme | None:
         """A linear's scheme by its weight's name (not the LM head's); None where `keep` leaves it float."""
@@ -165,20 +165,11 @@ def _quantize_experts(
     return quantized, kept
 
 
-def quantize_weights(
-    program: Program,
-    bits: int = 4,
-    group: int = 32,
-    symmetric: bool = False,
-    packed_zeros: bool = False,
-    keep_lm_head: bool = False,
-    lm_head_bits: int = 8,
-    quantize_embedding: bool = False,
-    keep: tuple[str, ...] | list[str] = (),
-    overrides: Sequence[tuple[str, dict[str, Any]]] = (),
-) -> tuple[Program, dict[str, Any]]:
+def quantize_weights(program: Program, **options: Any) -> tuple[Program, dict[str, Any]]:
+    """`options`: QuantPlan.of's (bits, group, symmetric, packed_zeros, keep_lm_head, lm_head_bits, keep,
+    overrides, quantize_embedding)."""
     try:
-        plan = QuantPlan.of(bits, group, symmetric, packed_zeros, keep_lm_head, lm_head_bits, keep, overrides)
+        plan = QuantPlan.of(**options)
     except (TypeError, ValueError) as exc:
         raise PassError(f"quantize_weights: {exc}") from None
     scheme, special = plan.scheme, plan.special
@@ -203,12 +194,12 @@ def quantize_weights(
         qweight, scales, zeros = store.attrs(node, names)
         _swap(graph, node, QLINEAR.overload, (x, qweight, scales, zeros, bias, node_scheme.bits, packed.in_features))
         quantized += 1
-    experts, experts_kept = _quantize_experts(store, scheme, special, keep)
+    experts, experts_kept = _quantize_experts(store, scheme, special, plan.keep)
     for node in list(graph.nodes):
-        if not quantize_embedding or node.target is not aten.embedding.default or not is_constant(node.args[0]):
+        if not plan.embedding or node.target is not aten.embedding.default or not is_constant(node.args[0]):
             continue
         table = fetch_attr(gm, node.args[0].target)
-        tied = head_weight is not None and not keep_lm_head and table.data_ptr() == head_weight.data_ptr()
+        tied = head_weight is not None and plan.head is not None and table.data_ptr() == head_weight.data_ptr()
         node_scheme = plan.head if tied else scheme  # a table tied to the head shares its quantized form
         packed, names = store.get(node.args[0].target, node_scheme)
         qweight, scales, zeros = store.attrs(node, names)
