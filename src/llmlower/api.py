@@ -18,7 +18,7 @@ from .frontend import LoadedModel, capture, load, resolve_model
 from .frontend.calibration import calibration_ids
 from .ir import Program
 from .passes import DEFAULT_PIPELINE, PASSES, run_pipeline, with_kv_layout
-from .passes.manager import PassSpec
+from .passes.manager import PassSpec, pass_specs, pass_steps
 from .progress import stage
 from .runtime import Engine, EngineConfig, Tokenizer
 from .runtime.artifact import MANIFEST, check_output, draft_dir_name, draft_key, is_artifact, read_manifest, sha256
@@ -63,14 +63,13 @@ def with_kv_cache_dtype(pipeline: Sequence[PassSpec], kv_cache_dtype: str) -> li
 def with_calibration(pipeline: Sequence[PassSpec], loaded: LoadedModel) -> list[PassSpec]:
     """The pipeline with each calibrated pass (awq, kv_cache_dtype) given frontend.calibration's text in the
     model's own tokens where its options leave `calibration` out."""
-    steps = [(p, {}) if isinstance(p, str) else (p[0], dict(p[1])) for p in pipeline]
-    if not any(name in PASSES and PASSES[name].calibrated and "calibration" not in o for name, o in steps):
-        return list(pipeline)
-    calibration = calibration_ids(tokenizer_of(loaded))
-    for name, options in steps:
-        if name in PASSES and PASSES[name].calibrated:
-            options.setdefault("calibration", calibration)
-    return [name if not options else (name, options) for name, options in steps]
+    steps = pass_steps(pipeline)
+    uncalibrated = [o for name, o in steps if name in PASSES and PASSES[name].calibrated and "calibration" not in o]
+    if uncalibrated:
+        calibration = calibration_ids(tokenizer_of(loaded))
+        for options in uncalibrated:
+            options["calibration"] = calibration
+    return pass_specs(steps)
 
 
 def check_draft_layers(draft_layers: int | Sequence[int] | None, num_layers: int | None = None) -> list[int]:

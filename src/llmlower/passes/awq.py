@@ -98,13 +98,19 @@ def _scale_rows(constants: _Constants, linear: Any, rows: slice) -> Callable[[to
     return fold
 
 
+def _out_features(constants: _Constants, linear: torch.fx.Node) -> int:
+    """A linear's output channels (its weight's rows; columns when transposed, as Conv1D stores it)."""
+    _, weight, _, transposed = as_linear(linear)
+    return constants.get(weight).shape[1 if transposed else 0]
+
+
 def _last_dim_slice(node: Any) -> tuple[torch.fx.Node, int, int] | None:
     """(source, start, end) of a slice of the last dim with constant bounds."""
     if not isinstance(node, torch.fx.Node) or node.target is not aten.slice.Tensor or len(node.args) < 4:
         return None
     source, dim, start, end = node.args[:4]
-    rank = len(source.meta["val"].shape) if "val" in source.meta else None
-    if dim not in (-1, rank - 1 if rank else -1) or not isinstance(start, int) or not isinstance(end, int):
+    last = {-1} | ({source.meta["val"].dim() - 1} if "val" in source.meta else set())
+    if dim not in last or not isinstance(start, int) or not isinstance(end, int):
         return None
     return source, start, end
 
@@ -122,8 +128,7 @@ def _scale_factor(constants: _Constants, factor: Any) -> Callable[[torch.Tensor]
         other = _last_dim_slice(user)
         if user is not factor and (other is None or (other[1] < end and start < other[2])):
             return None
-    width = constants.get(as_linear(source)[1]).shape[1 if as_linear(source)[3] else 0]
-    return _scale_rows(constants, source, slice(start, min(end, width)))
+    return _scale_rows(constants, source, slice(start, min(end, _out_features(constants, source))))
 
 
 def _scale_vectors(constants: _Constants, *vectors: Any) -> Callable[[torch.Tensor], None] | None:
@@ -154,19 +159,17 @@ def _folder(constants: _Constants, node: torch.fx.Node) -> Callable[[torch.Tenso
     if node.target is aten.layer_norm.default:
         weight, bias = (list(node.args[2:4]) + [None, None])[:2]
         return _scale_vectors(constants, weight, bias) if weight is not None else None
-    if node.target is ADD_RMS_NORM.overload:
-        return None  # its getitem 0 (the normalized sum), below; output 1 is the residual
-    if node.target is operator.getitem and node.args[1] == 0:
+    if node.target is operator.getitem and node.args[1] == 0:  # add_rms_norm's normalized sum (1: the residual)
         source = node.args[0]
         if isinstance(source, torch.fx.Node) and source.target is ADD_RMS_NORM.overload:
             return _scale_vectors(constants, source.args[2])
         return None
     if node.target is SILU_MUL.overload:  # silu(gate) * up over [gate | up]: the up rows take 1/s
-        matmul = as_linear(node.args[0])
-        if matmul is None or len(node.args[0].users) != 1:
+        gate_up = node.args[0]
+        if as_linear(gate_up) is None or len(gate_up.users) != 1:
             return None
-        rows = constants.get(matmul[1]).shape[1 if matmul[3] else 0]
-        return _scale_rows(constants, node.args[0], slice(rows // 2, rows))
+        rows = _out_features(constants, gate_up)
+        return _scale_rows(constants, gate_up, slice(rows // 2, rows))
     if node.target is aten.mul.Tensor:  # act(gate) * up: up's rows take 1/s
         for factor in node.args:
             fold = _scale_factor(constants, factor)

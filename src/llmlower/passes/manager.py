@@ -20,6 +20,16 @@ PassSpec = str | tuple[str, dict[str, Any]]
 VERIFY_BATCH, VERIFY_TOKENS, VERIFY_CONTEXT = 3, 6, 16
 
 
+def pass_steps(pipeline: Sequence[PassSpec]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, options) per pass, each options dict a copy the caller may change."""
+    return [(p, {}) if isinstance(p, str) else (p[0], dict(p[1])) for p in pipeline]
+
+
+def pass_specs(steps: Sequence[tuple[str, dict[str, Any]]]) -> list[PassSpec]:
+    """pass_steps' inverse: a pass without options as its bare name."""
+    return [name if not options else (name, options) for name, options in steps]
+
+
 def run_pipeline(
     program: Program,
     pipeline: Sequence[PassSpec],
@@ -30,7 +40,7 @@ def run_pipeline(
     """Apply the passes in order. With `verify`, each pass's output program is run against its input
     program on the same random inputs and must agree within the pass's tolerance. With `dump_dir`,
     the graph's code is written there before the first pass and after each pass."""
-    steps = [(p, {}) if isinstance(p, str) else p for p in pipeline]
+    steps = pass_steps(pipeline)
     for name, _ in steps:
         if name not in PASSES:
             raise PassError(f"unknown pass {name!r} (registered: {', '.join(PASSES)})")

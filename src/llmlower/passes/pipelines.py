@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import PassError
 from ..step_io import KVLayout
-from .manager import PassSpec
+from .manager import PassSpec, pass_specs, pass_steps
 from .registry import PASSES
 
 FUSION: tuple[str, ...] = ("fuse_norms", "fuse_rope", "fuse_projections")
@@ -94,7 +94,7 @@ def build_pipeline(
 def with_kv_layout(pipeline: Sequence[PassSpec], layout: KVLayout, block_size: int | None = None) -> list[PassSpec]:
     """The pipeline for a backend whose programs use `layout`: PAGED adds paged_attention (with `block_size`)
     before last_token_logits unless the pipeline has it; SLOTS refuses it."""
-    steps = [(p, {}) if isinstance(p, str) else (p[0], dict(p[1])) for p in pipeline]
+    steps = pass_steps(pipeline)
     names = [name for name, _ in steps]
     if layout is KVLayout.SLOTS:
         if "paged_attention" in names:
@@ -113,4 +113,4 @@ def with_kv_layout(pipeline: Sequence[PassSpec], layout: KVLayout, block_size: i
         if "fuse_qkv_attention" in names[at:]:
             at = names.index("fuse_qkv_attention") + 1
         steps.insert(at, ("paged_attention", {} if block_size is None else {"block_size": block_size}))
-    return [name if not options else (name, options) for name, options in steps]
+    return pass_specs(steps)
