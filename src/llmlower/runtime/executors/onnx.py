@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import GenerationError
-from ...step_io import DEFAULT_BLOCK_SIZE, LOGITS, PRESENT_PREFIX, cache_layer
+from ...step_io import DEFAULT_BLOCK_SIZE, INPUT_IDS, LOGITS, LOGITS_INDICES, PRESENT_PREFIX, cache_layer
 from ..executor import (
     PaddedBatch,
     SlotExecutor,
@@ -78,16 +78,31 @@ def external_initializers(
     return values
 
 
-def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """Bind the step's small inputs from the host (those the model takes), run with the caches bound already,
-    and return the logits (bound first as the binding's output 0, a fresh array each run)."""
-    names = {i.name for i in session.get_inputs()}
-    for name, value in arrays.items():
-        if name in names:
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
-    binding.bind_output(LOGITS, "cpu")
-    session.run_with_iobinding(binding)
-    return binding.get_outputs()[0].numpy()
+class BoundStep:
+    """A step session's IO binding: the caches stay bound between runs (the executor binds them); each run binds
+    the step's small inputs and a fresh host array for the logits, whose shape the step determines."""
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self.session = session
+        self.binding = session.io_binding()
+        self.inputs = {spec.name for spec in session.get_inputs()}
+        logits = session.get_outputs()[0]
+        if logits.name != LOGITS or not isinstance(logits.shape[-1], int):
+            raise GenerationError(f"not a step model: its first output is {logits.name} of shape {logits.shape}")
+        self.all_positions = logits.shape[1] != 1  # every position's logits, not only logits_indices'
+        self.vocab, self.logits_dtype = logits.shape[-1], DTYPES[logits.type]
+
+    def run(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """Bind the inputs the model takes, run, return the logits: [batch, tokens, vocab] for every position,
+        else [len(logits_indices), 1, vocab]."""
+        for name, value in arrays.items():
+            if name in self.inputs:
+                self.binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        rows = arrays[INPUT_IDS].shape if self.all_positions else (len(arrays[LOGITS_INDICES]), 1)
+        logits = np.empty((*rows, self.vocab), self.logits_dtype)
+        self.binding.bind_output(LOGITS, "cpu", 0, logits.dtype, list(logits.shape), logits.ctypes.data)
+        self.session.run_with_iobinding(self.binding)
+        return logits
 
 
 class OnnxSlotExecutor(SlotExecutor):
@@ -116,9 +131,8 @@ class OnnxSlotExecutor(SlotExecutor):
             if cache_layer(spec.name) is not None
         }
         self.allocate_slots(layers, max_context, num_blocks, block_size)
-        self.all_positions = self.session.get_outputs()[0].shape[1] != 1
-        self.binding = self.session.io_binding()
-        self.binding.bind_output(LOGITS, "cpu")  # bound first: get_outputs()[0]
+        self.bound = BoundStep(self.session)
+        self.all_positions = self.bound.all_positions
         self.bound_rows: tuple[int, int] | None = None  # (first slot, count) the caches are bound for
 
     @classmethod
@@ -169,8 +183,10 @@ class OnnxSlotExecutor(SlotExecutor):
         past_lens = np.zeros(count, dtype=np.int64)
         rows = np.array(slots) - first
         ids[rows, 0], past_lens[rows] = tokens, past
-        idle = np.setdiff1d(np.arange(first, last + 1), slots)  # rows in between: a throwaway token at position 0
-        saved = {name: cache[idle, :, 0].copy() for name, cache in self.caches.items()} if idle.size else {}
+        saved = {}
+        if count > len(slots):  # rows in between: a throwaway token at position 0, their first cache entry kept
+            idle = np.setdiff1d(np.arange(first, last + 1), slots)
+            saved = {name: cache[idle, :, 0].copy() for name, cache in self.caches.items()}
         padded = PaddedBatch(ids, past_lens[:, None], past_lens, np.ones(count, dtype=np.int64), rows)
         logits = self._run(first, padded)
         for name, values in saved.items():
@@ -184,7 +200,7 @@ class OnnxSlotExecutor(SlotExecutor):
             for name, cache in self.caches.items():
                 shape = [count, *cache.shape[1:]]
                 pointer = cache.ctypes.data + first_slot * cache[0].nbytes
-                self.binding.bind_input(name, "cpu", 0, cache.dtype, shape, pointer)
-                self.binding.bind_output(PRESENT_PREFIX + name, "cpu", 0, cache.dtype, shape, pointer)
+                self.bound.binding.bind_input(name, "cpu", 0, cache.dtype, shape, pointer)
+                self.bound.binding.bind_output(PRESENT_PREFIX + name, "cpu", 0, cache.dtype, shape, pointer)
             self.bound_rows = (first_slot, count)
-        return run_bound(self.session, self.binding, step_arrays(padded))
+        return self.bound.run(step_arrays(padded))

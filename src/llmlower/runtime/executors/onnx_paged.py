@@ -28,7 +28,6 @@ import onnxruntime as ort
 from ...errors import GenerationError
 from ...step_io import (
     DEFAULT_SEQUENCES,
-    LOGITS,
     PRESENT_PREFIX,
     KVLayout,
     cache_layer,
@@ -43,7 +42,7 @@ from ..executor import (
     step_logits,
 )
 from ..weights import ARTIFACT_WEIGHTS, WeightSource
-from .onnx import external_initializers, run_bound, session_options
+from .onnx import BoundStep, external_initializers, session_options
 
 CUDA = "CUDAExecutionProvider"
 COPY_BLOCKS_FILE = "copy_blocks.onnx"  # the block-copy model's inputs besides the pools:
@@ -137,12 +136,11 @@ class OnnxPagedExecutor(Executor):
             for p in pools
         }
         self.copier = BlockCopier(copier, self.pools)
-        self.all_positions = self.session.get_outputs()[0].shape[1] != 1
-        self.binding = self.session.io_binding()
-        self.binding.bind_output(LOGITS, "cpu")  # bound first: get_outputs()[0]
+        self.bound = BoundStep(self.session)
+        self.all_positions = self.bound.all_positions
         for name, value in self.pools.items():
-            self.binding.bind_ortvalue_input(name, value)
-            self.binding.bind_ortvalue_output(PRESENT_PREFIX + name, value)  # the same memory: updated in place
+            self.bound.binding.bind_ortvalue_input(name, value)
+            self.bound.binding.bind_ortvalue_output(PRESENT_PREFIX + name, value)  # the same memory: updated in place
 
     @classmethod
     def from_artifact(
@@ -179,4 +177,4 @@ class OnnxPagedExecutor(Executor):
 
     def _run(self, packed: PackedBatch) -> np.ndarray:
         """Run the model on a packed batch (the pools stay bound); returns its logits on the host."""
-        return run_bound(self.session, self.binding, step_arrays(packed))
+        return self.bound.run(step_arrays(packed))
