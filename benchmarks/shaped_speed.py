@@ -4,15 +4,17 @@ random (seeded), the tokenizer SmolLM2's.
 
 Shapes: `llama-1b` (Llama-3.2-1B's: 16 layers, hidden 2048, 32 heads of 64 with 8 kv heads, MLP 8192, tied
 embeddings; 1.07 B parameters with this vocabulary) and `qwen3-moe` (Qwen3-MoE's scaled to this machine: 16 layers,
-hidden 1024, 32 experts of 1024, top-4; 1.75 B parameters, 0.30 B active).
+hidden 1024, 32 experts of 1024, top-4; 1.75 B parameters, 0.30 B active) and `smollm2` (the example model's
+configuration, 135 M parameters).
 
 Rows: batch-1 decode tokens/s (64 greedy tokens after a 13-token prompt), TTFT of 512- and 2,048-token prompts
 (speed.py's loop), 16 requests of 100 prompt tokens and 128 new tokens each, all at once (vLLM's offline workload:
 output tokens / wall time); for each engine the bytes a decoded token reads and the share of the machine's measured
 bandwidth its decode reaches. Peers, set up by benchmarks/peers/setup.sh: llama.cpp (its own converter, then its
 quantizer: --llamacpp Q4_0,Q4_K_M), ONNX Runtime GenAI's builder (its CPU int4 defaults: --genai) and vLLM's CPU
-build (bf16: --vllm). Bytes a token reads: llmlower from the roofline cost model on the artifact's own pipeline
-(the chosen experts only), peers from their model files (dense shapes only: their files hold every expert).
+build (--vllm: bf16 where the CPU computes it, else float32). Bytes a token reads: llmlower from the roofline cost
+model on the artifact's own pipeline (the chosen experts only), peers from their model files (dense shapes only:
+their files hold every expert).
 
     .venv/bin/python benchmarks/shaped_speed.py [--shape llama-1b] [--quants q4mix,q4g32-sym] [--lm-head-bits 4]
         [--backends onnx] [--llamacpp Q4_0] [--genai] [--vllm] [--new-tokens 64] [--repeats 3] [--threads N]
@@ -100,7 +102,17 @@ def qwen3_moe(vocab: int) -> transformers.PretrainedConfig:
     )
 
 
-SHAPES: dict[str, Callable[[int], transformers.PretrainedConfig]] = {"llama-1b": llama_1b, "qwen3-moe": qwen3_moe}
+def smollm2(vocab: int) -> transformers.PretrainedConfig:
+    """SmolLM2-135M's own configuration (the example model's), for its figures beside peers that need a checkpoint
+    they can read (vLLM)."""
+    return transformers.AutoConfig.from_pretrained(example_checkpoint(), vocab_size=vocab)
+
+
+SHAPES: dict[str, Callable[[int], transformers.PretrainedConfig]] = {
+    "llama-1b": llama_1b,
+    "qwen3-moe": qwen3_moe,
+    "smollm2": smollm2,
+}
 
 
 def write_checkpoint(directory: Path, config: transformers.PretrainedConfig) -> Path:
@@ -194,10 +206,10 @@ def genai_model(checkpoint: Path, directory: Path) -> Path:
     return target
 
 
-def bf16_read_bytes(program: Program, context: int) -> int:
-    """Bytes per decoded token of the checkpoint run in bf16 (vLLM's CPU row): what the float32 program reads
-    (weights and KV cache by the roofline cost model, the chosen experts only) at half the width."""
-    return decode_read_bytes(program, context) // 2
+def float_read_bytes(program: Program, context: int, dtype: str) -> int:
+    """Bytes per decoded token of the checkpoint run unquantized in `dtype` (vLLM's CPU row): what the float32
+    program reads (weights and KV cache by the roofline cost model, the chosen experts only) at that width."""
+    return decode_read_bytes(program, context) * (2 if dtype == "bfloat16" else 4) // 4
 
 
 def machine(ceilings: Ceilings) -> str:
@@ -301,11 +313,10 @@ def main() -> None:
         rows["ONNX Runtime GenAI int4"] = peer("ortgenai", genai, prompts, args.new_tokens, args.repeats, args.threads)
         reads["ONNX Runtime GenAI int4"] = ortgenai_read_bytes(genai, loaded.spec, read_context) if dense else None
     if args.vllm:
-        print("[shaped] vLLM CPU bf16", file=sys.stderr)
-        rows["vLLM CPU bf16"] = peer(
-            "vllm_offline", checkpoint, prompts, args.new_tokens, args.repeats, args.threads, venv="vllm"
-        )
-        reads["vLLM CPU bf16"] = bf16_read_bytes(captured, read_context)
+        print("[shaped] vLLM CPU", file=sys.stderr)
+        row = peer("vllm_offline", checkpoint, prompts, args.new_tokens, args.repeats, args.threads, venv="vllm")
+        name = f"vLLM CPU {row['dtype']}"
+        rows[name], reads[name] = row, float_read_bytes(captured, read_context, row["dtype"])
     for name, row in rows.items():
         if reads[name]:
             row.update(bandwidth_roof(row["decode_tokens_per_s"], reads[name], ceilings.bandwidth))
