@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llmlower.errors import GenerationError
-from llmlower.runtime.sampler import Sampler, SequenceSampling, log_softmax
+from llmlower.runtime.sampler import DRAW_BLOCK, Sampler, SequenceSampling, inverse_cdf, log_softmax
 from llmlower.runtime.sampling_params import SamplingParams
 
 EOS = 7
@@ -265,6 +265,21 @@ def test_draws_follow_the_tempered_top_p_distribution():
     df = len(kept) - 1
     assert CHI2_CRITICAL_0_001[df] == pytest.approx(wilson_hilferty(df), rel=0.02)
     assert statistic < CHI2_CRITICAL_0_001[df], f"chi-square {statistic:.2f} with {df} degrees of freedom"
+
+
+def test_the_blockwise_inverse_cdf_draws_the_token_a_whole_row_cumulative_sum_draws():
+    rng = np.random.default_rng(7)
+    vocab = 2 * DRAW_BLOCK + 37  # a partial last block
+    weights = rng.random((64, vocab), dtype=np.float32) ** 8  # mostly tiny weights, a few large ones
+    weights[rng.random(weights.shape) < 0.3] = 0.0  # zero-weight tokens everywhere
+    weights[::4, DRAW_BLOCK : 2 * DRAW_BLOCK] = 0.0  # and whole blocks of them
+    uniform = rng.random(64)
+    uniform[:2] = (0.0, np.nextafter(1.0, 0.0))
+    cdf = np.cumsum(weights.astype(np.float64), axis=1)
+    expected = np.argmax(cdf > uniform[:, None] * cdf[:, -1:], axis=1)
+    tokens = inverse_cdf(weights, uniform)
+    np.testing.assert_array_equal(tokens, expected)
+    assert (weights[np.arange(64), tokens] > 0).all()
 
 
 # ---- seeds ----
