@@ -235,15 +235,22 @@ def start_server(artifact: Path, n: int, args: argparse.Namespace) -> tuple[subp
             command += [f"--{name.replace('_', '-')}", str(value)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    wait_healthy(process, url, "llmlower serve", 120)
+    return process, url
+
+
+def wait_healthy(process: subprocess.Popen, url: str, name: str, timeout_s: float) -> None:
+    """Return once the server at url answers /health with 200; kill it and raise Skipped if it exits first or
+    does not answer within timeout_s."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
+                return
         except httpx.TransportError:
             time.sleep(0.2)
     process.kill()
-    raise Skipped(f"llmlower serve did not start (exit {process.poll()})")
+    raise Skipped(f"{name} did not start (exit {process.wait()})")
 
 
 async def drive_http(url: str, model: str, workload: Workload) -> list[Record]:

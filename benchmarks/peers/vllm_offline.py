@@ -1,8 +1,7 @@
 """Decode speed, TTFT and offline throughput of vLLM's CPU build on token prompts; prints one JSON line (see
 docs/benchmarks.md). Offline: OFFLINE_REQUESTS prompts of OFFLINE_PROMPT tokens (cut from the longest prompt), all
-submitted at once, OFFLINE_NEW greedy tokens each: output tokens / wall time, the median over repeats. It runs in
-bfloat16 where the CPU computes it (AVX-512 BF16 or AMX), else in float32: vLLM's bf16 kernels without them emulate
-it (SmolLM2 on an AVX2-only EPYC: 26 tokens/s at batch 1 in bf16).
+submitted at once, OFFLINE_NEW greedy tokens each: output tokens / wall time, the median over repeats. In
+runner.native_dtype(): bf16 only where the CPU computes it.
 
 .venv-vllm/bin/python vllm_offline.py --model CHECKPOINT --prompts P.json [--new-tokens N] [--repeats N] [--threads N]
 """
@@ -13,20 +12,9 @@ import os
 import statistics
 import time
 
-from runner import parse, report
+from runner import native_dtype, parse, report
 
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_NEW = 16, 100, 128
-BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
-
-
-def native_dtype() -> str:
-    """bfloat16 where the CPU's flags (/proc/cpuinfo) include a bf16 instruction set, else float32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
-    except OSError:
-        flags = set()
-    return "bfloat16" if flags & BF16_FLAGS else "float32"
 
 
 def main() -> None:

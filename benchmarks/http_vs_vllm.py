@@ -1,0 +1,127 @@
+"""Through HTTP: `llmlower serve` and vLLM's OpenAI server under vLLM's own serving benchmark, in one run.
+
+The workload is vLLM's `bench serve` (benchmarks/peers/vllm_serving.py, run from the vLLM venv against each server in
+turn): random prompts of 100 tokens, 128 output tokens each (EOS ignored), 48 requests, 16 at a time, streamed from
+/v1/completions; the client runs on the same machine. llmlower serves an ONNX artifact of the model (--quant,
+compiled once into --artifacts) with max_num_seqs = --concurrency; vLLM's server the model's checkpoint in
+runner.native_dtype() (bf16 only where the CPU computes it). Both listen on 127.0.0.1 only and get --threads.
+Prints output tokens/s, TTFT p50/p99, TPOT p50 and inter-token p50/p99 for each, and the ratios the targets use.
+
+    bash benchmarks/peers/setup.sh vllm
+    .venv/bin/python benchmarks/http_vs_vllm.py [--model example] [--quant q4mix] [--requests 48] [--concurrency 16]
+        [--threads 2] [--artifacts DIR] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from artifacts import ensure_artifact
+from peers.runner import native_dtype
+from serving import free_port, wait_healthy
+from shaped_speed import machine
+
+from llmlower.frontend import resolve_model
+from llmlower.frontend.example import cache_dir
+from llmlower.roofline import machine_ceilings
+
+PEERS = Path(__file__).parent / "peers"
+VLLM_PYTHON = PEERS / ".venv-vllm" / "bin" / "python"
+SERVED_NAME = "model"
+COLUMNS = (  # (label, result key, format)
+    ("output tok/s", "output_throughput", "{:.1f}"),
+    ("TTFT p50 ms", "median_ttft_ms", "{:.0f}"),
+    ("TTFT p99 ms", "p99_ttft_ms", "{:.0f}"),
+    ("TPOT p50 ms", "median_tpot_ms", "{:.1f}"),
+    ("ITL p50 ms", "median_itl_ms", "{:.1f}"),
+    ("ITL p99 ms", "p99_itl_ms", "{:.0f}"),
+)
+
+
+def llmlower_command(artifact: Path, port: int, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    command = [sys.executable, "-m", "llmlower.cli", "serve", str(artifact), "--port", str(port)]
+    command += ["--served-model-name", SERVED_NAME, "--threads", str(args.threads)]
+    command += ["--max-num-seqs", str(args.concurrency), "--max-waiting", str(args.requests)]
+    return command, dict(os.environ)
+
+
+def vllm_command(checkpoint: Path, port: int, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
+    command += ["--served-model-name", SERVED_NAME, "--dtype", native_dtype(), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--max-model-len", "1024", "--max-num-seqs", str(args.concurrency), "--seed", "0"]
+    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    return command, environment
+
+
+def benchmark(name: str, command: list[str], environment: dict[str, str], url: str, args: argparse.Namespace) -> dict:
+    """Start the server, wait for /health, run vLLM's serving benchmark against it, stop it; the result row."""
+    print(f"[http] {name}: starting the server", file=sys.stderr)
+    server = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(server, url, name, 600)
+        print(f"[http] {name}: {args.requests} requests, {args.concurrency} at a time", file=sys.stderr)
+        client = [str(VLLM_PYTHON), str(PEERS / "vllm_serving.py"), "--base-url", url, "--model", SERVED_NAME]
+        client += ["--tokenizer", str(args.tokenizer), "--requests", str(args.requests)]
+        client += ["--concurrency", str(args.concurrency)]
+        done = subprocess.run(client, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"vllm_serving.py failed against {name} ({done.returncode}):\n{done.stderr[-4000:]}")
+        row = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    if row["failed"]:
+        raise SystemExit(f"{name}: {row['failed']} of {args.requests} requests failed")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="example")
+    parser.add_argument("--quant", default="q4mix", help="llmlower's build_pipeline quant for its artifact")
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--artifacts", type=Path, default=cache_dir() / "bench" / "http")
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args()
+    if not VLLM_PYTHON.exists():
+        raise SystemExit(f"{VLLM_PYTHON} is missing: run `bash benchmarks/peers/setup.sh vllm` first")
+    checkpoint = resolve_model(args.model)  # a checkpoint directory: vLLM reads it, and its tokenizer files
+    args.tokenizer = checkpoint
+    artifact = ensure_artifact(str(checkpoint), "onnx", {"quant": args.quant}, args.artifacts / f"onnx-{args.quant}")
+    ceilings = machine_ceilings("cpu")
+    rows = {}
+    for name, make in ((f"llmlower serve (onnx {args.quant})", llmlower_command), ("vLLM server", vllm_command)):
+        port = free_port()
+        command, environment = make(artifact if make is llmlower_command else checkpoint, port, args)
+        rows[name] = benchmark(name, command, environment, f"http://127.0.0.1:{port}", args)
+    rows["vLLM server"]["dtype"] = native_dtype()
+    ours, theirs = rows.values()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"{machine(ceilings)}, {args.threads} threads; {datetime.date.today()}, commit {commit}")
+    workload = f"{args.requests} requests of 100 random tokens, 128 out, {args.concurrency} at a time"
+    print(f"vLLM's serving benchmark: {workload}")
+    print("| server | " + " | ".join(label for label, _, _ in COLUMNS) + " |")
+    print("|---|" + "---:|" * len(COLUMNS))
+    for name, row in rows.items():
+        label = f"{name} ({row['dtype']})" if "dtype" in row else name
+        print(f"| {label} | " + " | ".join(form.format(row[key]) for _, key, form in COLUMNS) + " |")
+    print(
+        f"output throughput {ours['output_throughput'] / theirs['output_throughput']:.2f}x vLLM's server; "
+        f"TPOT p50 {ours['median_tpot_ms'] / theirs['median_tpot_ms']:.2f}x; "
+        f"TTFT p50 {ours['median_ttft_ms'] / theirs['median_ttft_ms']:.2f}x"
+    )
+    if args.json:
+        report = {"machine": machine(ceilings), "date": str(datetime.date.today()), "commit": commit, "rows": rows}
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
