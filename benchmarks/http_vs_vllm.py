@@ -105,7 +105,7 @@ def main() -> None:
     rows["vLLM server"]["dtype"] = native_dtype()
     ours, theirs = rows.values()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"{machine(ceilings)}, {args.threads} threads; {datetime.date.today()}, commit {commit}")
+    print(f"{machine(ceilings)}; {datetime.date.today()}, commit {commit}")
     workload = f"{args.requests} requests of 100 random tokens, 128 out, {args.concurrency} at a time"
     print(f"vLLM's serving benchmark: {workload}")
     print("| server | " + " | ".join(label for label, _, _ in COLUMNS) + " |")
