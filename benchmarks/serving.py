@@ -524,7 +524,7 @@ def run_engine(key: str, loads: dict[int, Workload], args: argparse.Namespace) -
                         compile_error = f"compile failed: {one_line(error)}"  # not retried for the next N
                         raise
                 row.update(run_llmlower(key, workload, args, artifact))
-                if n == max(loads):
+                if n == max(loads) and args.shared_prefix:  # only then do prompts hold room for the prefix
                     engine = load_llmlower(key, 1, args, artifact)
                     row["prefix_ttft"] = prefix_ttft(engine, *text_and_tags(args), args.prefix_tokens)
         except Exception as error:  # a failing engine is a row of the report, not the end of the run
