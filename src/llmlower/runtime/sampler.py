@@ -26,8 +26,8 @@ renormalised over the kept tokens and -inf outside them. For greedy rows the fin
 the logits after step 5 (no temperature, no truncation). `Sampler.distribution` returns these log-probabilities.
 
 Steps 1 to 7 work on a float32 copy of the logits (the model's own precision; with float64 and a whole-row
-cumulative sum a 16-row step drew in 18 ms, now 5.5); from step 8 a drawing row is held as float32 unnormalised probabilities
-exp(logit - max), summed in float64 for top-p, the draw and the logprobs.
+cumulative sum a 16-row step drew in 18 ms, now 5.5); from step 8 a drawing row is held as float32 unnormalised
+probabilities exp(logit - max), summed in float64 for top-p, the draw and the logprobs.
 
 A request with a seed owns its own generator, so its tokens depend only on its own logits, never on what else is in
 the batch; requests without one share the sampler's generator. Token counts for the penalties are recomputed from
