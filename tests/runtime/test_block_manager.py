@@ -156,6 +156,34 @@ def test_chunked_prefill_runs_beside_the_decodes():
     assert counts == [[(0, 1), (1, 7)], [(0, 1), (1, 7)], [(0, 1), (1, 6)]]  # one decode + a chunk in each step
 
 
+def _steps(scheduler: Scheduler, count: int, decoding: list[Sequence]) -> list[list[tuple[int, int]]]:
+    """Run `count` schedules as steps would (each scheduled sequence computes its tokens; `decoding` ones then
+    get an output token); the (seq_id, tokens) of each step."""
+    steps = []
+    for _ in range(count):
+        step = scheduler.schedule()
+        steps.append([(s.sequence.seq_id, s.num_tokens) for s in step])
+        for item in step:
+            item.sequence.num_computed += item.num_tokens
+        for sequence in decoding:
+            sequence.token_ids.append(7)
+    return steps
+
+
+def test_a_new_prompt_waits_a_step_rather_than_start_with_a_sliver():
+    scheduler = Scheduler(BlockManager(64, BLOCK), max_num_seqs=4, max_num_batched_tokens=12)
+    running, first, second, long = _sequences([3, 8, 8, 30])
+    scheduler.add(running)
+    _steps(scheduler, 1, [running])
+    for sequence in (first, second):
+        scheduler.add(sequence)
+    # 11 tokens of room after the decode: the first prompt fits; 3 more would be a sliver of the second's 8
+    assert _steps(scheduler, 2, [running, first]) == [[(0, 1), (1, 8)], [(0, 1), (1, 1), (2, 8)]]
+    second.token_ids.append(7)  # its first output token
+    scheduler.add(long)  # longer than any step: it starts with the 9 tokens left after three decodes
+    assert _steps(scheduler, 1, [running, first, second]) == [[(0, 1), (1, 1), (2, 1), (3, 9)]]
+
+
 def test_preemption_frees_the_newest_sequence_and_requeues_it_first():
     blocks = BlockManager(5, BLOCK)
     scheduler = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)

@@ -192,19 +192,26 @@ class AsyncEngine:
                 continue
             deltas = self.engine.step()  # a request it fails comes back as its error delta
             self._stats = self.engine.stats()
-            for delta in deltas:
-                listener = self._listeners.get(delta.request_id)
-                if listener is not None:
-                    if delta.result is not None:
-                        delta.result.request = listener.position
-                    listener.loop.call_soon_threadsafe(
-                        listener.queue.put_nowait, replace(delta, request=listener.position)
-                    )
+            self._deliver(deltas)
             for request_id in {d.request_id for d in deltas if d.finish_reason is not None}:
                 if request_id not in self.engine.requests:  # every completion of it has finished
                     self._listeners.pop(request_id, None)
         for request_id in list(self._listeners):
             self._abort(request_id)
+
+    def _deliver(self, deltas: list[GenerationDelta]) -> None:
+        """Hand a step's deltas to their listeners: one wake-up per event loop, not one per delta (each wake-up
+        takes the GIL from this thread at the start of its next step)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerationDelta]]] = {}
+        for delta in deltas:
+            listener = self._listeners.get(delta.request_id)
+            if listener is not None:
+                if delta.result is not None:
+                    delta.result.request = listener.position
+                batch = batches.setdefault(listener.loop, [])
+                batch.append((listener.queue, replace(delta, request=listener.position)))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _fail_all(self, exc: Exception) -> None:
         """Every listener gets `exc`, waiting for its request to be taken or for its deltas (the engine is not
@@ -248,6 +255,11 @@ class RequestStream:
             for request_id in self.ids:
                 self.engine._send(lambda request_id=request_id: self.engine._abort(request_id))
         self.ids = []
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, GenerationDelta]]) -> None:
+    for target, delta in batch:
+        target.put_nowait(delta)
 
 
 def _settle(future: asyncio.Future, error: Exception | None) -> None:

@@ -130,6 +130,10 @@ class BlockManager:
         self._count_lookup(len(token_ids), len(hits))
         return len(hits) * self.block_size
 
+    def cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of token_ids' first tokens the cache holds now (admit would start after them); changes nothing."""
+        return len(self._cached_prefix(token_ids)) * self.block_size
+
     def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Blocks holding the longest cached prefix of token_ids, leaving at least one token to compute (its
         logits are the ones sampled)."""

@@ -4,9 +4,12 @@ Each step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max
 sequences come first, oldest first: a decode brings one token, a prompt still being prefilled brings as much
 of the rest as the budget allows (chunked prefill, so a long prompt never stalls the decodes around it).
 Waiting sequences are then admitted in arrival order while the budget, the cap and the KV pool allow; a new
-sequence starts after its cached prefix. When a running sequence needs a block and the pool has none, the
-newest running sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
-recomputed (its prompt and output so far) when there is room again.
+sequence starts after its cached prefix. A prompt that would start with a sliver (a chunk that neither finishes it
+nor takes half of the budget the running sequences left) waits for the next step instead: it would not finish any
+sooner, and where each prompt chunk is a model run of its own (the CPU ONNX executor) the sliver adds a run. When a
+running sequence needs a block and the pool has none, the newest running sequence is preempted: its blocks are
+freed and it goes back to the front of the queue, to be recomputed (its prompt and output so far) when there is
+room again.
 
 With speculative decoding (`num_lookahead_tokens` k > 0) a decoding sequence is also given room for k proposed
 tokens: blocks for them and k more tokens of the step's budget (fewer when the budget or the context is short);
@@ -109,9 +112,10 @@ class Scheduler:
                 index += 1
                 continue
             break
+        room = budget  # what the running sequences left: the most a new prompt's chunk can take in this step
         while self.waiting and budget > 0 and not preempted:
             sequence = self.waiting[0]
-            if len(self.running) + sequence.width > self.max_num_seqs:
+            if len(self.running) + sequence.width > self.max_num_seqs or self._sliver(sequence, budget, room):
                 break
             cached = self.blocks.admit(sequence.seq_id, sequence.token_ids, len(self.running), sequence.width)
             if cached is None:
@@ -126,6 +130,13 @@ class Scheduler:
             scheduled.append(ScheduledSequence(sequence, count))
             budget -= count
         return scheduled
+
+    def _sliver(self, sequence: Sequence, budget: int, room: int) -> bool:
+        """Whether a waiting sequence would start with a chunk that neither finishes its prompt nor takes half of
+        the step's `room`."""
+        if len(sequence.token_ids) <= budget or 2 * budget >= room:
+            return False
+        return len(sequence.token_ids) - self.blocks.cached_tokens(sequence.token_ids) > budget
 
     def _lookahead(self, sequence: Sequence, budget: int) -> int:
         """Speculative room for a decoding sequence (one token to compute, its prompt done): k, or what the
