@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -36,7 +37,10 @@ ATTENTION = ((9, 3), (3, 3), (9, 9))  # (query heads, kv heads): SmolLM2's, then
 BATCHES, CONTEXTS = (1, 16), (192, 2048)
 
 
-def one_node_session(node: helper.NodeProto, inputs: list, outputs: list, initializers: list, threads: int):
+def one_node_session(
+    node: helper.NodeProto, inputs: list, outputs: list, initializers: list, threads: int
+) -> ort.InferenceSession:
+    """A CPU session of a model holding just `node` (opset 17 + com.microsoft)."""
     graph = helper.make_graph([node], node.op_type, inputs, outputs, initializers)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     options = ort.SessionOptions()
@@ -45,7 +49,8 @@ def one_node_session(node: helper.NodeProto, inputs: list, outputs: list, initia
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
-def median_seconds(call, repeats: int) -> float:
+def median_seconds(call: Callable[[], object], repeats: int) -> float:
+    """The median time of `repeats` calls, after a sixth as many (at least 3) to warm up."""
     for _ in range(max(3, repeats // 6)):
         call()
     times = []
@@ -73,6 +78,7 @@ def matmul_nbits(k: int, n: int, bits: int, level: int, threads: int) -> ort.Inf
 
 
 def measure_matmuls(args: argparse.Namespace) -> list[dict]:
+    """Every linear shape x bits x accuracy level x rows: ms per call and GOPS."""
     rows = []
     for name, (k, n) in LINEARS.items():
         for bits in (4, 8):
@@ -86,8 +92,11 @@ def measure_matmuls(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def decode_attention(heads: int, kv_heads: int, batch: int, context: int, threads: int):
-    """One in-place GroupQueryAttention decode over a [batch, kv_heads, context + 1, 64] cache; a call."""
+def decode_attention(
+    heads: int, kv_heads: int, batch: int, context: int, threads: int
+) -> tuple[Callable[[], object], dict[str, np.ndarray]]:
+    """One in-place GroupQueryAttention decode over a [batch, kv_heads, context + 1, 64] cache: the call, and the
+    caches it is bound to (keep them alive while calling)."""
     slots = context + 1
     hidden = (heads + 2 * kv_heads) * HEAD_DIM
     cache = [batch, kv_heads, slots, HEAD_DIM]
@@ -129,6 +138,7 @@ def decode_attention(heads: int, kv_heads: int, batch: int, context: int, thread
 
 
 def measure_attention(args: argparse.Namespace) -> list[dict]:
+    """Every batch x context x heads case: ms per layer and the cache's MB over that time."""
     rows = []
     for batch in BATCHES:
         for context in CONTEXTS:
