@@ -138,24 +138,6 @@ def _sequences(lengths: list[int]) -> list[Sequence]:
     return [Sequence(i, list(range(100 * i, 100 * i + n)), n) for i, n in enumerate(lengths)]
 
 
-def test_chunked_prefill_runs_beside_the_decodes():
-    scheduler = Scheduler(BlockManager(64, BLOCK), max_num_seqs=4, max_num_batched_tokens=8)
-    short, long = _sequences([3, 20])
-    scheduler.add(short)
-    [only] = scheduler.schedule()
-    only.sequence.num_computed += only.num_tokens
-    short.token_ids.append(7)  # its first output token
-    scheduler.add(long)
-    counts = []
-    for _ in range(3):
-        step = scheduler.schedule()
-        counts.append([(s.sequence.seq_id, s.num_tokens) for s in step])
-        for item in step:
-            item.sequence.num_computed += item.num_tokens
-        short.token_ids.append(7)
-    assert counts == [[(0, 1), (1, 7)], [(0, 1), (1, 7)], [(0, 1), (1, 6)]]  # one decode + a chunk in each step
-
-
 def _steps(scheduler: Scheduler, count: int, decoding: list[Sequence]) -> list[list[tuple[int, int]]]:
     """Run `count` schedules as steps would (each scheduled sequence computes its tokens; `decoding` ones then
     get an output token); the (seq_id, tokens) of each step."""
@@ -168,6 +150,18 @@ def _steps(scheduler: Scheduler, count: int, decoding: list[Sequence]) -> list[l
         for sequence in decoding:
             sequence.token_ids.append(7)
     return steps
+
+
+def test_chunked_prefill_runs_beside_the_decodes():
+    scheduler = Scheduler(BlockManager(64, BLOCK), max_num_seqs=4, max_num_batched_tokens=8)
+    short, long = _sequences([3, 20])
+    scheduler.add(short)
+    [only] = scheduler.schedule()
+    only.sequence.num_computed += only.num_tokens
+    short.token_ids.append(7)  # its first output token
+    scheduler.add(long)
+    counts = _steps(scheduler, 3, [short])
+    assert counts == [[(0, 1), (1, 7)], [(0, 1), (1, 7)], [(0, 1), (1, 6)]]  # one decode + a chunk in each step
 
 
 def test_a_new_prompt_waits_a_step_rather_than_start_with_a_sliver():
