@@ -203,7 +203,9 @@ def _metrics_by_replica(url: str, replicas: int = 2, tries: int = 60) -> dict[st
 
 def test_two_replicas_answer_what_one_engine_answers(url, expected):
     """8 questions, each asked whole and as a stream (with usage), all 16 at once through Ray's proxy: every text
-    is the in-process engine's; the answers came from both replicas, whose /metrics add up to the tokens made."""
+    is the in-process engine's; the answers came from both replicas, whose /metrics add up to the tokens made.
+    Both replicas answer /metrics first: right after start-up Ray's router may not yet know the second one."""
+    assert len(_metrics_by_replica(url)) == 2, "Ray's proxy reached one replica only"
 
     async def ask_all() -> list[tuple[str, str, object]]:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
