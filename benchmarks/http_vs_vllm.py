@@ -6,10 +6,12 @@ turn): random prompts of 100 tokens, 128 output tokens each (EOS ignored), 48 re
 compiled once into --artifacts) with max_num_seqs = --concurrency; vLLM's server the model's checkpoint in
 runner.native_dtype() (bf16 only where the CPU computes it). Both listen on 127.0.0.1 only and get --threads.
 Prints output tokens/s, TTFT p50/p99, TPOT p50 and inter-token p50/p99 for each, and the ratios the targets use.
+With --rounds N the two servers take turns N times, each round starting with the one that went second before (on a
+shared VM the machine drifts within minutes), and the ratios' medians over the rounds close the report.
 
     bash benchmarks/peers/setup.sh vllm
     .venv/bin/python benchmarks/http_vs_vllm.py [--model example] [--quant q4mix] [--requests 48] [--concurrency 16]
-        [--threads 2] [--artifacts DIR] [--json FILE]
+        [--threads 2] [--rounds 1] [--artifacts DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +84,19 @@ def benchmark(name: str, command: list[str], environment: dict[str, str], url: s
     return row
 
 
+RATIOS = (("output throughput", "output_throughput"), ("TPOT p50", "median_tpot_ms"), ("TTFT p50", "median_ttft_ms"))
+
+
+def ratios(ours: dict, theirs: dict) -> dict[str, float]:
+    """Our figure over vLLM's, for each figure the targets use."""
+    return {key: ours[key] / theirs[key] for _, key in RATIOS}
+
+
+def describe(ratio: dict[str, float]) -> str:
+    """The ratios as one line of the report."""
+    return "; ".join(f"{label} {ratio[key]:.2f}x" for label, key in RATIOS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="example")
@@ -88,6 +104,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--rounds", type=int, default=1, help="turns of both servers, alternating which goes first")
     parser.add_argument("--artifacts", type=Path, default=cache_dir() / "bench" / "http")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
@@ -97,29 +114,34 @@ def main() -> None:
     args.tokenizer = checkpoint
     artifact = ensure_artifact(str(checkpoint), "onnx", {"quant": args.quant}, args.artifacts / f"onnx-{args.quant}")
     ceilings = machine_ceilings("cpu")
-    rows = {}
-    for name, make in ((f"llmlower serve (onnx {args.quant})", llmlower_command), ("vLLM server", vllm_command)):
-        port = free_port()
-        command, environment = make(artifact if make is llmlower_command else checkpoint, port, args)
-        rows[name] = benchmark(name, command, environment, f"http://127.0.0.1:{port}", args)
-    rows["vLLM server"]["dtype"] = native_dtype()
-    ours, theirs = rows.values()
+    ours_name, theirs_name = f"llmlower serve (onnx {args.quant})", f"vLLM server ({native_dtype()})"
+    servers = [(ours_name, llmlower_command, artifact), (theirs_name, vllm_command, checkpoint)]
+    rounds = []
+    for index in range(args.rounds):
+        rows = {}
+        for name, make, model in servers if index % 2 == 0 else servers[::-1]:
+            port = free_port()
+            command, environment = make(model, port, args)
+            rows[name] = benchmark(name, command, environment, f"http://127.0.0.1:{port}", args)
+        rounds.append({"rows": rows, "ratios": ratios(rows[ours_name], rows[theirs_name])})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"{machine(ceilings)}; {datetime.date.today()}, commit {commit}")
     workload = f"{args.requests} requests of 100 random tokens, 128 out, {args.concurrency} at a time"
     print(f"vLLM's serving benchmark: {workload}")
-    print("| server | " + " | ".join(label for label, _, _ in COLUMNS) + " |")
-    print("|---|" + "---:|" * len(COLUMNS))
-    for name, row in rows.items():
-        label = f"{name} ({row['dtype']})" if "dtype" in row else name
-        print(f"| {label} | " + " | ".join(form.format(row[key]) for _, key, form in COLUMNS) + " |")
-    print(
-        f"output throughput {ours['output_throughput'] / theirs['output_throughput']:.2f}x vLLM's server; "
-        f"TPOT p50 {ours['median_tpot_ms'] / theirs['median_tpot_ms']:.2f}x; "
-        f"TTFT p50 {ours['median_ttft_ms'] / theirs['median_ttft_ms']:.2f}x"
-    )
+    print("| round | server | " + " | ".join(label for label, _, _ in COLUMNS) + " |")
+    print("|---:|---|" + "---:|" * len(COLUMNS))
+    for index, turn in enumerate(rounds, 1):
+        for name in (ours_name, theirs_name):
+            row = turn["rows"][name]
+            print(f"| {index} | {name} | " + " | ".join(form.format(row[key]) for _, key, form in COLUMNS) + " |")
+    for index, turn in enumerate(rounds, 1):
+        print(f"round {index}, ours over vLLM's server: {describe(turn['ratios'])}")
+    medians = {key: statistics.median(turn["ratios"][key] for turn in rounds) for _, key in RATIOS}
+    if len(rounds) > 1:
+        print(f"median of {len(rounds)} rounds: {describe(medians)}")
     if args.json:
-        report = {"machine": machine(ceilings), "date": str(datetime.date.today()), "commit": commit, "rows": rows}
+        report = {"machine": machine(ceilings), "date": str(datetime.date.today()), "commit": commit}
+        report.update(rounds=rounds, median_ratios=medians)
         Path(args.json).write_text(json.dumps(report, indent=2))
 
 
