@@ -53,7 +53,7 @@ def test_fp32_onnx_matches_the_torch_reference(arch, captures):
     assert _max_difference(program) <= 1e-4
 
 
-@pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4g128-sym", "q4mix"])
+@pytest.mark.parametrize("quant", ["q8", "q8c", "q4g32", "q4g32-zp4", "q4g128-sym", "q4mix"])
 def test_quantized_lowering_is_exact_in_float32(quant, captures):
     """With MatMulNBits computing in float32 (accuracy_level 0) the int4 lowering, including float zero
     points split into a symmetric MatMulNBits plus a group-sum correction, computes the reference's product."""
@@ -61,7 +61,7 @@ def test_quantized_lowering_is_exact_in_float32(quant, captures):
     assert _max_difference(program, accuracy_level=0) <= 1e-4
 
 
-@pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4mix"])
+@pytest.mark.parametrize("quant", ["q8", "q8c", "q4g32", "q4g32-zp4", "q4mix"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_quantized_experts_are_exact_in_float32(arch, quant, captures):
     """Quantized experts at accuracy_level 0: QMoE computes 4-bit packed zero points in float32; q8 and q4mix
@@ -72,6 +72,21 @@ def test_quantized_experts_are_exact_in_float32(arch, quant, captures):
     kernels = [n.op_type for n in to_onnx(program, accuracy_level=0).graph.node if n.op_type in ("MoE", "QMoE")]
     assert kernels == ["QMoE" if quant == "q4g32-zp4" else "MoE"] * 2
     assert _max_difference(program, accuracy_level=0) <= 1e-4
+
+
+def test_per_channel_int8_multiplies_in_integers_row_by_row(captures):
+    """q8c at accuracy_level 4: every linear is an integer GEMM (MatMulIntegerToFloat, no MatMulNBits) within the
+    int8-activation tolerance of the reference, and activations are quantized per row: a sequence's logits are the
+    same alone as beside another whose activations span a different range."""
+    program = run_pipeline(captures("llama"), build_pipeline(quant="q8c"))
+    kernels = {node.op_type for node in to_onnx(program).graph.node}
+    assert "MatMulIntegerToFloat" in kernels and "MatMulNBits" not in kernels
+    ours, reference = _executors(program)
+    prompts = [[5, 6, 7, 8], [90, 91, 92, 93, 94, 95, 96]]
+    together = ours.step(_batch([0, 1], prompts, [0, 0]))
+    expected = reference.step(_batch([0, 1], prompts, [0, 0]))
+    assert np.abs(together - expected).max() <= 0.1 * max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(ours.step(_batch([2], prompts[:1], [0])), together[:1], rtol=0, atol=1e-5)
 
 
 def test_an_op_without_lowering_is_named(captures):

@@ -22,6 +22,7 @@ from llmlower.passes import DEFAULT_PIPELINE, build_pipeline, run_pipeline
 SCHEMES = [
     QuantScheme(8, 32),
     QuantScheme(8, 128),
+    QuantScheme(8, 0),  # per channel: one group per row
     QuantScheme(4, 32, symmetric=False),
     QuantScheme(4, 64, symmetric=False, packed_zeros=True),
     QuantScheme(4, 64, symmetric=True),
@@ -33,7 +34,7 @@ def reference_dequantized(weight: np.ndarray, scheme: QuantScheme) -> np.ndarray
     """Quantize and dequantize one group at a time, as the format's docstring spells it (float32 math; the
     input dim zero-padded to whole groups)."""
     rows, cols = weight.shape
-    group = scheme.group
+    group = scheme.group or cols
     weight = np.pad(weight.astype(np.float32), ((0, 0), (0, -cols % group)))
     out = np.zeros_like(weight)
     for r in range(rows):
@@ -71,7 +72,7 @@ def test_dequantized_weights_match_reference_bit_for_bit(scheme, cols):
     np.testing.assert_array_equal(ours.numpy(), reference_dequantized(weight.numpy(), scheme))
 
 
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if s.group], ids=lambda s: s.name)
 def test_layout_is_what_onnxruntime_matmulnbits_reads(scheme):
     rows, k, n = 5, 320, 48  # 320 / 128 = 2.5: a padded last block and an odd number of zero points
     gen = torch.Generator().manual_seed(1)
@@ -158,11 +159,17 @@ def test_overrides_give_matching_weights_their_own_scheme(gpt2_program):
         run_pipeline(copy.deepcopy(gpt2_program), [("quantize_weights", bad)])
 
 
-def test_q4mix_is_int4_where_it_is_cheap_and_int8_elsewhere():
+def test_q4mix_is_int4_where_it_is_cheap_and_int8_elsewhere(gpt2_program):
+    """int4 for o/gate/up, int8 in groups of 32 elsewhere and per channel for the LM head (an int4 head, when
+    asked for, takes the weights' group)."""
     options = build_pipeline(quant="q4mix")[-1][1]
-    assert options["bits"] == 8
+    assert options["bits"] == 8 and options["group"] == 32
     assert [name for name, _ in options["overrides"]] == ["o_proj", "gate_proj", "up_proj"]
     assert all(o == {"bits": 4, "group": 32, "symmetric": False, "packed_zeros": True} for _, o in options["overrides"])
+    program = run_pipeline(copy.deepcopy(gpt2_program), build_pipeline(quant="q4mix")[-1:])
+    assert program.history[-1].stats["lm_head"] == "q8c"
+    program = run_pipeline(copy.deepcopy(gpt2_program), build_pipeline(quant="q4mix", lm_head_bits=4)[-1:])
+    assert program.history[-1].stats["lm_head"] == "q4g32"
 
 
 def test_float_zero_points_reproduce_a_q4_1_grid_exactly():

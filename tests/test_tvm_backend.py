@@ -100,7 +100,7 @@ def test_the_latent_cache_matches_the_torch_reference(captures):
     assert _max_difference(program) <= TOLERANCE
 
 
-@pytest.mark.parametrize("quant", ["q8", "q4g32", "q4g32-zp4", "q4g128-sym", "q4mix"])
+@pytest.mark.parametrize("quant", ["q8", "q8c", "q4g32", "q4g32-zp4", "q4g128-sym", "q4mix"])
 def test_quantized_lowering_is_exact(quant, captures):
     """Dequantize-in-matmul computes in float32: the reference's product, int4 zero points of every kind."""
     assert _max_difference(_paged(captures, "llama", quant=quant)) <= TOLERANCE

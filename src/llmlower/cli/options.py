@@ -36,7 +36,8 @@ def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", help="comma-separated passes (default: the default pipeline; see `passes`)")
     parser.add_argument(
         "--quant",
-        help="weight quantization: none, q8, q4g32, q4g64, q4g128 (add -sym: symmetric, -zp4: 4-bit zero points), "
+        help="weight quantization: none, q8, q8c (int8 per channel), q4g32, q4g64, q4g128 (add -sym: symmetric, "
+        "-zp4: 4-bit zero points), "
         "q4mix (int4 where it keeps quality, int8 elsewhere); default none "
         f"(generate and chat compiling a model: {RECOMMENDED_QUANT})",
     )

@@ -20,7 +20,8 @@ zero = clamp(round(-lo / scale), 0, 15), q = clamp(round(w / scale) + zero, 0, 1
 to an integer shifts each group by up to scale / 2: on the Q4_1 example this costs +25% perplexity.
 int8 is grouped and symmetric in the same layout, one value per byte: qweight uint8 [N, blocks, group],
 scales [N, blocks], scale = max|w| / 127, q = clamp(round(w / scale), -127, 127) + 128 (llama.cpp's Q8_0
-for group 32, which a Q8_0 tensor is reproduced exactly by).
+for group 32, which a Q8_0 tensor is reproduced exactly by). Group 0 means one group per output channel
+(blocks = 1, group = K): the layout integer matrix-multiply kernels take, the scale applied after the dot product.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 @dataclass(frozen=True)
 class QuantScheme:
     """bits 4 with a group size (symmetric, or asymmetric with float or packed 4-bit zero points), or
-    bits 8 with a group size (symmetric)."""
+    bits 8 with a group size or 0, one group per output channel (symmetric)."""
 
     bits: int
     group: int = 32
@@ -43,8 +44,12 @@ class QuantScheme:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
-        if self.group not in (16, 32, 64, 128, 256):
-            raise ValueError(f"int{self.bits} needs a group size of 16, 32, 64, 128 or 256, got {self.group}")
+        if self.group not in (16, 32, 64, 128, 256) and (self.bits, self.group) != (8, 0):
+            raise ValueError(
+                f"int{self.bits} needs a group size of 16, 32, 64, 128 or 256"
+                + (" (or 0: per channel)" if self.bits == 8 else "")
+                + f", got {self.group}"
+            )
         if self.bits == 8 and not self.symmetric:
             raise ValueError("int8 is symmetric")
         if self.packed_zeros and self.symmetric:
@@ -53,7 +58,7 @@ class QuantScheme:
     @property
     def name(self) -> str:
         if self.bits == 8:
-            return "q8" if self.group == 32 else f"q8g{self.group}"
+            return {32: "q8", 0: "q8c"}.get(self.group, f"q8g{self.group}")
         return f"q4g{self.group}" + ("-sym" if self.symmetric else "-zp4" if self.packed_zeros else "")
 
 
@@ -86,7 +91,7 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
     """Quantize a linear weight [N, K], or a stack of them [..., N, K] (a MoE layer's experts: every tensor of the
     result gets the same leading dims), in any float dtype; the math runs in float32."""
     *rows, in_features = weight.shape
-    group = scheme.group
+    group = scheme.group or in_features
     blocks = -(-in_features // group)
     w = torch.nn.functional.pad(weight.float(), (0, blocks * group - in_features))
     w = w.reshape(*rows, blocks, group)

@@ -22,16 +22,21 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "last_token_logits",
 )
 QUANT_NAMES = (
-    "none, q8, q8g64, q8g128, q4g32, q4g64, q4g128 (asymmetric; -zp4: 4-bit zero points; -sym: symmetric), q4mix"
+    "none, q8, q8g64, q8g128, q8c (per channel), q4g32, q4g64, q4g128 (asymmetric; -zp4: 4-bit zero points; "
+    "-sym: symmetric), q4mix"
 )
 # q4mix: q4g32-zp4 where int4 costs little quality (the attention output and the MLP's gate/up projections,
-# ~60% of a Llama layer's weights), q8 for q/k/v, down and the LM head, the projections most sensitive to
-# int4's rounded zero points (SmolLM2, tests/data/perplexity.txt: q/k/v +10%, down +6%, o +1%, gate/up +3%).
+# ~60% of a Llama layer's weights), q8 for q/k/v and down, the projections most sensitive to int4's rounded zero
+# points (SmolLM2, tests/data/perplexity.txt: q/k/v +10%, down +6%, o +1%, gate/up +3%), and q8c (per channel) for
+# the LM head: ONNX Runtime's integer GEMM then multiplies it at 2x MatMulNBits' int8 rate on AVX2 (its activations
+# per row: +0.0% here, where per-row activations into q/k/v cost +2.1%).
 # No float zero points: no correction ops (MatMulNBits takes both natively). MoE experts follow the dense MLP
 # ("up_proj" names their gate_up_proj): gate/up int4, down int8, measured on an upcycled SmolLM2 MoE
 # (benchmarks/moe_perplexity.py: gate/up +8.6%, down +18.5%, both +23.5%).
-MIXES = {"q4mix": ("q8", "q4g32-zp4", ("o_proj", "gate_proj", "up_proj"))}  # name -> (base, int4 scheme, its weights)
-_INT8 = re.compile(r"q8(?:g(32|64|128))?")
+MIXES = {  # name -> (base, int4 scheme, its weights, the LM head's group)
+    "q4mix": ("q8", "q4g32-zp4", ("o_proj", "gate_proj", "up_proj"), 0)
+}
+_INT8 = re.compile(r"q8(?:g(32|64|128)|(c))?")
 _INT4 = re.compile(r"q4g(32|64|128)(-sym|-zp4)?")
 
 
@@ -40,11 +45,12 @@ def parse_quant(name: str) -> dict[str, Any] | None:
     if name == "none":
         return None
     if name in MIXES:
-        base, special, weights = MIXES[name]
-        return {**parse_quant(base), "overrides": [[weight, parse_quant(special)] for weight in weights]}
+        base, special, weights, head_group = MIXES[name]
+        overrides = [[weight, parse_quant(special)] for weight in weights]
+        return {**parse_quant(base), "overrides": overrides, "lm_head_group": head_group}
     match = _INT8.fullmatch(name)
     if match is not None:
-        return {"bits": 8, "group": int(match.group(1) or 32)}
+        return {"bits": 8, "group": 0 if match.group(2) else int(match.group(1) or 32)}
     match = _INT4.fullmatch(name)
     if match is None:
         raise PassError(f"--quant {name!r}: expected one of {QUANT_NAMES}")
@@ -85,6 +91,8 @@ def build_pipeline(
         )
         if lm_head_bits is not None:
             options["lm_head_bits"] = lm_head_bits
+            if lm_head_bits == 4:  # an int4 head takes the weights' group
+                options.pop("lm_head_group", None)
         if awq:
             pipeline.append(("awq", {"quant": dict(options)}))
         pipeline.append(("quantize_weights", options))

@@ -111,12 +111,15 @@ class QuantPlan:
         packed_zeros: bool = False,
         keep_lm_head: bool = False,
         lm_head_bits: int = 8,
+        lm_head_group: int | None = None,
         keep: Sequence[str] = (),
         overrides: Sequence[tuple[str, dict[str, Any]]] = (),
         quantize_embedding: bool = False,
     ) -> QuantPlan:
-        """quantize_weights' options; raises ValueError or TypeError for options no scheme has."""
-        head = None if keep_lm_head else _scheme(lm_head_bits, group, symmetric, packed_zeros)
+        """quantize_weights' options (`lm_head_group`: the LM head's group, default the weights'; 0 with int8:
+        per channel); raises ValueError or TypeError for options no scheme has."""
+        head_group = group if lm_head_group is None else lm_head_group
+        head = None if keep_lm_head else _scheme(lm_head_bits, head_group, symmetric, packed_zeros)
         special = [(name, _scheme(**options)) for name, options in overrides]
         return cls(_scheme(bits, group, symmetric, packed_zeros), head, special, tuple(keep), quantize_embedding)
 
@@ -235,15 +238,15 @@ def _tolerance(options: dict[str, Any]) -> float:
 register_pass(
     Pass(
         name="quantize_weights",
-        summary="weight-only int8 (sym) / int4 (sym or asym), groups of 32-128 -> qlinear, qmoe_experts",
+        summary="weight-only int8 (sym, grouped or per channel) / int4 (sym or asym) -> qlinear, qmoe_experts",
         explain=(
             "Replaces each aten.linear with a constant weight by llmlower::qlinear over int8 weights (symmetric) "
             "or int4 weights in groups along the input dim (symmetric, zero point 8, or "
             "asymmetric with float zero points, or with packed 4-bit ones), in ONNX Runtime MatMulNBits' "
             "layout, and each llmlower::moe_experts by llmlower::qmoe_experts over its experts quantized alike "
             "(named <experts module>.gate_up_proj and .down_proj for keep and overrides). "
-            "Options: bits, group, symmetric, packed_zeros, lm_head_bits (8 by default: the LM head "
-            "in int8 under int4), keep_lm_head, "
+            "Options: bits, group (int8: 0 is per channel), symmetric, packed_zeros, lm_head_bits (8 by default: "
+            "the LM head in int8 under int4), lm_head_group (default: group), keep_lm_head, "
             "quantize_embedding (llmlower::qembedding), keep (weight-name substrings left in full precision), "
             "overrides ([name substring, {bits, group, symmetric, packed_zeros}] pairs: the first whose name is in "
             "a linear's weight name sets its scheme; not the LM head's). "

@@ -114,7 +114,8 @@ def _qmoe_runs(up: tuple, down: tuple, hidden: int, intermediate: int, accuracy_
     bits = max(up_bits, down_bits)  # mixed widths run as 8 bits
     if down_qweight.shape[3] * 8 // down_bits != group or float_zeros:
         return None
-    if hidden % group or intermediate % group or (bits == 8 and accuracy_level == 0):
+    per_channel = group not in (16, 32, 64, 128, 256)  # a per-channel group as wide as a row: no QMoE block size
+    if per_channel or hidden % group or intermediate % group or (bits == 8 and accuracy_level == 0):
         return None
     return bits, group
 
