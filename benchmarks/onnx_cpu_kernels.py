@@ -1,9 +1,11 @@
 """What bounds a many-stream decode step on ONNX Runtime's CPU EP: its two kernels alone, on SmolLM2-135M's shapes.
 
 - MatMulNBits (the quantized linears): 4- and 8-bit weights, block 32, accuracy level 4 (activations quantized to
-  int8, integer dot products: what llmlower's artifacts use) and 0 (weights dequantized to float32), for 1, 16 and
-  100 rows; time per call and the rate of multiply-adds it reaches (GOPS, two per weight and row). A kernel whose
-  rate at 16 rows is already its rate at 100 is bound by its arithmetic, not by the weights' bytes.
+  int8, integer dot products: what llmlower's artifacts use) and 0 (weights dequantized to float32), and int8 with
+  one scale per output channel as the artifacts run it (`q8c`: activations quantized per row, then ONNX Runtime's
+  integer GEMM, MatMulIntegerToFloat), for 1, 16 and 100 rows; time per call and the rate of multiply-adds it
+  reaches (GOPS, two per weight and row). A kernel whose rate at 16 rows is already its rate at 100 is bound by
+  its arithmetic, not by the weights' bytes.
 - GroupQueryAttention decode as the ONNX artifact runs it (one new token per sequence, rotary inside, the cache
   bound as past and present in place) for 1 and 16 sequences at 192 and 2,048 cached tokens: SmolLM2's 9 query heads
   over 3 kv heads, and two controls, 3 over 3 (the same cache, a third of the query heads) and 9 over 9 (three times
@@ -31,7 +33,13 @@ from shaped_speed import machine
 from llmlower.roofline import machine_ceilings
 
 HEAD_DIM = 64
-LINEARS = {"q/k/v 576 -> 960": (576, 960), "gate/up 576 -> 3072": (576, 3072), "down 1536 -> 576": (1536, 576)}
+LINEARS = {
+    "q/k/v 576 -> 960": (576, 960),
+    "gate/up 576 -> 3072": (576, 3072),
+    "down 1536 -> 576": (1536, 576),
+    "LM head 576 -> 49152": (576, 49152),
+}
+KERNELS = ((4, "4"), (4, "0"), (8, "4"), (8, "per channel"))  # (bits, accuracy level or per-channel integer GEMM)
 ROWS = (1, 16, 100)
 ATTENTION = ((9, 3), (3, 3), (9, 9))  # (query heads, kv heads): SmolLM2's, then the two controls
 BATCHES, CONTEXTS = (1, 16), (192, 2048)
@@ -41,7 +49,14 @@ def one_node_session(
     node: helper.NodeProto, inputs: list, outputs: list, initializers: list, threads: int
 ) -> ort.InferenceSession:
     """A CPU session of a model holding just `node` (opset 17 + com.microsoft)."""
-    graph = helper.make_graph([node], node.op_type, inputs, outputs, initializers)
+    return one_graph_session([node], inputs, outputs, initializers, threads)
+
+
+def one_graph_session(
+    nodes: list[helper.NodeProto], inputs: list, outputs: list, initializers: list, threads: int
+) -> ort.InferenceSession:
+    """A CPU session of a model holding just `nodes` (opset 17 + com.microsoft)."""
+    graph = helper.make_graph(nodes, nodes[-1].op_type, inputs, outputs, initializers)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -77,18 +92,53 @@ def matmul_nbits(k: int, n: int, bits: int, level: int, threads: int) -> ort.Inf
     return one_node_session(node, [a], [y], initializers, threads)
 
 
+def per_channel_int8(k: int, n: int, threads: int) -> ort.InferenceSession:
+    """The ONNX backend's per-channel int8 linear (lowerings._per_channel_int8) on random bytes: x quantized per
+    row (uint8 around 128), MatMulIntegerToFloat with the weight's zero point 128 and scales, the row's scale."""
+    rng = np.random.default_rng(0)
+    arrays = {
+        "weight": rng.integers(1, 256, (k, n), dtype=np.uint8),
+        "scales": (rng.random(n) * 0.01).astype(np.float32),
+        "inverse": np.array(1 / 127, np.float32),
+        "tiny": np.array(1e-30, np.float32),
+        "one": np.array(1.0, np.float32),
+        "middle": np.array(128, np.uint8),
+    }
+    nodes = [
+        helper.make_node("Abs", ["a"], ["magnitude"]),
+        helper.make_node("ReduceMax", ["magnitude"], ["peak"], axes=[-1], keepdims=1),
+        helper.make_node("Mul", ["peak", "inverse"], ["step"]),
+        helper.make_node("Max", ["step", "tiny"], ["row_scale"]),
+        helper.make_node("Div", ["a", "row_scale"], ["scaled"]),
+        helper.make_node("QuantizeLinear", ["scaled", "one", "middle"], ["quantized"]),
+        helper.make_node(
+            "MatMulIntegerToFloat",
+            ["quantized", "weight", "one", "scales", "middle", "middle"],
+            ["unscaled"],
+            domain="com.microsoft",
+        ),  # fmt: skip
+        helper.make_node("Mul", ["unscaled", "row_scale"], ["y"]),
+    ]
+    initializers = [numpy_helper.from_array(value, name) for name, value in arrays.items()]
+    a = helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])
+    return one_graph_session(nodes, [a], [y], initializers, threads)
+
+
 def measure_matmuls(args: argparse.Namespace) -> list[dict]:
-    """Every linear shape x bits x accuracy level x rows: ms per call and GOPS."""
+    """Every linear shape x kernel x rows: ms per call and GOPS."""
     rows = []
     for name, (k, n) in LINEARS.items():
-        for bits in (4, 8):
-            for level in (4, 0):
-                session = matmul_nbits(k, n, bits, level, args.threads)
-                for m in ROWS:
-                    a = np.random.default_rng(1).random((m, k), dtype=np.float32)
-                    seconds = median_seconds(lambda s=session, a=a: s.run(None, {"a": a}), args.repeats)
-                    rows.append(dict(linear=name, bits=bits, level=level, rows=m, ms=seconds * 1e3,
-                                     gops=2 * m * k * n / seconds / 1e9))  # fmt: skip
+        for bits, level in KERNELS:
+            if level == "per channel":
+                session = per_channel_int8(k, n, args.threads)
+            else:
+                session = matmul_nbits(k, n, bits, int(level), args.threads)
+            for m in ROWS:
+                a = np.random.default_rng(1).random((m, k), dtype=np.float32)
+                seconds = median_seconds(lambda s=session, a=a: s.run(None, {"a": a}), args.repeats)
+                rows.append(dict(linear=name, bits=bits, level=level, rows=m, ms=seconds * 1e3,
+                                 gops=2 * m * k * n / seconds / 1e9))  # fmt: skip
     return rows
 
 
@@ -153,14 +203,13 @@ def measure_attention(args: argparse.Namespace) -> list[dict]:
 
 
 def print_tables(matmuls: list[dict], attention: list[dict]) -> None:
-    print("\n| MatMulNBits | bits | accuracy level | " + " | ".join(f"{m} rows: ms (GOPS)" for m in ROWS) + " |")
+    print("\n| linear | bits | accuracy level | " + " | ".join(f"{m} rows: ms (GOPS)" for m in ROWS) + " |")
     print("|---|---:|---:|" + "---:|" * len(ROWS))
     for name in LINEARS:
-        for bits in (4, 8):
-            for level in (4, 0):
-                cells = [r for r in matmuls if (r["linear"], r["bits"], r["level"]) == (name, bits, level)]
-                timing = " | ".join(f"{r['ms']:.3f} ({r['gops']:.0f})" for r in cells)
-                print(f"| {name} | {bits} | {level} | {timing} |")
+        for bits, level in KERNELS:
+            cells = [r for r in matmuls if (r["linear"], r["bits"], r["level"]) == (name, bits, level)]
+            timing = " | ".join(f"{r['ms']:.3f} ({r['gops']:.0f})" for r in cells)
+            print(f"| {name} | {bits} | {level} | {timing} |")
     print("\n| GroupQueryAttention decode | sequences | cached tokens | ms per layer | cache MB | MB / ms (GB/s) |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in attention:
