@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
+from kv_layouts_onnx_cpu import make_model
 from onnx import TensorProto, helper, numpy_helper
 from shaped_speed import machine
 
@@ -45,22 +46,13 @@ ATTENTION = ((9, 3), (3, 3), (9, 9))  # (query heads, kv heads): SmolLM2's, then
 BATCHES, CONTEXTS = (1, 16), (192, 2048)
 
 
-def one_node_session(
-    node: helper.NodeProto, inputs: list, outputs: list, initializers: list, threads: int
-) -> ort.InferenceSession:
-    """A CPU session of a model holding just `node` (opset 17 + com.microsoft)."""
-    return one_graph_session([node], inputs, outputs, initializers, threads)
-
-
 def one_graph_session(
     nodes: list[helper.NodeProto], inputs: list, outputs: list, initializers: list, threads: int
 ) -> ort.InferenceSession:
-    """A CPU session of a model holding just `nodes` (opset 17 + com.microsoft)."""
-    graph = helper.make_graph(nodes, nodes[-1].op_type, inputs, outputs, initializers)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    """A CPU session of a model holding just `nodes` (kv_layouts_onnx_cpu.make_model's opsets), `threads` intra-op."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+    model = make_model(nodes, inputs, outputs, initializers)
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
@@ -89,7 +81,7 @@ def matmul_nbits(k: int, n: int, bits: int, level: int, threads: int) -> ort.Inf
     )  # fmt: skip
     a = helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])
-    return one_node_session(node, [a], [y], initializers, threads)
+    return one_graph_session([node], [a], [y], initializers, threads)
 
 
 def per_channel_int8(k: int, n: int, threads: int) -> ort.InferenceSession:
@@ -99,6 +91,7 @@ def per_channel_int8(k: int, n: int, threads: int) -> ort.InferenceSession:
     arrays = {
         "weight": rng.integers(1, 256, (k, n), dtype=np.uint8),
         "scales": (rng.random(n) * 0.01).astype(np.float32),
+        "axis": np.array([-1]),
         "inverse": np.array(1 / 127, np.float32),
         "tiny": np.array(1e-30, np.float32),
         "one": np.array(1.0, np.float32),
@@ -106,7 +99,7 @@ def per_channel_int8(k: int, n: int, threads: int) -> ort.InferenceSession:
     }
     nodes = [
         helper.make_node("Abs", ["a"], ["magnitude"]),
-        helper.make_node("ReduceMax", ["magnitude"], ["peak"], axes=[-1], keepdims=1),
+        helper.make_node("ReduceMax", ["magnitude", "axis"], ["peak"], keepdims=1),
         helper.make_node("Mul", ["peak", "inverse"], ["step"]),
         helper.make_node("Max", ["step", "tiny"], ["row_scale"]),
         helper.make_node("Div", ["a", "row_scale"], ["scaled"]),
@@ -170,7 +163,7 @@ def decode_attention(
         ["out", "present_key", "present_value"],
         domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, scale=HEAD_DIM**-0.5,
     )  # fmt: skip
-    session = one_node_session(node, inputs, outputs, [], threads)
+    session = one_graph_session([node], inputs, outputs, [], threads)
     rng = np.random.default_rng(2)
     arrays = {"qkv": rng.random((batch, 1, hidden), dtype=np.float32)}
     arrays["cos"] = arrays["sin"] = rng.random((slots, HEAD_DIM // 2), dtype=np.float32)
