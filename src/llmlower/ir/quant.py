@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+GROUP_SIZES = (16, 32, 64, 128, 256)  # the group sizes of ONNX Runtime's MatMulNBits and QMoE (block_size)
+
 
 @dataclass(frozen=True)
 class QuantScheme:
@@ -44,7 +46,7 @@ class QuantScheme:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
-        if self.group not in (16, 32, 64, 128, 256) and (self.bits, self.group) != (8, 0):
+        if self.group not in GROUP_SIZES and (self.bits, self.group) != (8, 0):
             raise ValueError(
                 f"int{self.bits} needs a group size of 16, 32, 64, 128 or 256"
                 + (" (or 0: per channel)" if self.bits == 8 else "")

@@ -24,6 +24,7 @@ import onnx
 import onnxscript
 from onnxscript import opset18 as op
 
+from ...ir.quant import GROUP_SIZES
 from .schemas import ensure_schema
 
 MSFT = onnxscript.values.Opset("com.microsoft", 1)
@@ -114,7 +115,7 @@ def _qmoe_runs(up: tuple, down: tuple, hidden: int, intermediate: int, accuracy_
     bits = max(up_bits, down_bits)  # mixed widths run as 8 bits
     if down_qweight.shape[3] * 8 // down_bits != group or float_zeros:
         return None
-    per_channel = group not in (16, 32, 64, 128, 256)  # a per-channel group as wide as a row: no QMoE block size
+    per_channel = group not in GROUP_SIZES  # a per-channel group as wide as a row: no QMoE block size
     if per_channel or hidden % group or intermediate % group or (bits == 8 and accuracy_level == 0):
         return None
     return bits, group
