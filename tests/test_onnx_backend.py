@@ -11,6 +11,7 @@ from llmlower.backends.torch.program_executor import TorchExecutor
 from llmlower.passes import build_pipeline, run_pipeline
 from llmlower.runtime import StepBatch
 from llmlower.runtime.executors.onnx import OnnxSlotExecutor
+from llmlower.testing import calibrated
 
 PROMPT_LENS = [5, 9, 3]
 FULL_LOGITS = "canonicalize,fuse_norms,fuse_rope,fuse_projections,kv_cache,fuse_qkv_attention"
@@ -57,7 +58,7 @@ def test_fp32_onnx_matches_the_torch_reference(arch, captures):
 def test_quantized_lowering_is_exact_in_float32(quant, captures):
     """With MatMulNBits computing in float32 (accuracy_level 0) the int4 lowering, including float zero
     points split into a symmetric MatMulNBits plus a group-sum correction, computes the reference's product."""
-    program = run_pipeline(captures("llama"), build_pipeline(quant=quant))
+    program = run_pipeline(captures("llama"), calibrated(build_pipeline(quant=quant)))
     assert _max_difference(program, accuracy_level=0) <= 1e-4
 
 
@@ -67,7 +68,7 @@ def test_quantized_experts_are_exact_in_float32(arch, quant, captures):
     """Quantized experts at accuracy_level 0: QMoE computes 4-bit packed zero points in float32; q8 and q4mix
     (QMoE has only int8 activations at 8 bits, and runs mixed bits as 8) and float zero points (q4g32) run the
     float MoE over the dequantized experts. Either way the reference's logits."""
-    program = run_pipeline(captures(arch), build_pipeline(quant=quant))
+    program = run_pipeline(captures(arch), calibrated(build_pipeline(quant=quant)))
     assert program.history[-1].stats["experts_quantized"] == 2
     kernels = [n.op_type for n in to_onnx(program, accuracy_level=0).graph.node if n.op_type in ("MoE", "QMoE")]
     assert kernels == ["QMoE" if quant == "q4g32-zp4" else "MoE"] * 2
@@ -78,7 +79,7 @@ def test_per_channel_int8_multiplies_in_integers_row_by_row(captures):
     """q8c at accuracy_level 4: every linear is an integer GEMM (MatMulIntegerToFloat, no MatMulNBits) within the
     int8-activation tolerance of the reference, and activations are quantized per row: a sequence's logits are the
     same alone as beside another whose activations span a different range."""
-    program = run_pipeline(captures("llama"), build_pipeline(quant="q8c"))
+    program = run_pipeline(captures("llama"), calibrated(build_pipeline(quant="q8c")))
     kernels = {node.op_type for node in to_onnx(program).graph.node}
     assert "MatMulIntegerToFloat" in kernels and "MatMulNBits" not in kernels
     ours, reference = _executors(program)

@@ -26,6 +26,7 @@ from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout
 from llmlower.runtime import StepBatch
 from llmlower.runtime.executor import copy_rounds
 from llmlower.step_io import KVLayout
+from llmlower.testing import calibrated
 
 BLOCK_SIZE, MAX_CONTEXT, NUM_BLOCKS = 4, 32, 40
 FORK_AT = 18  # sequence 3 starts as sequence 1's first 18 tokens: 4 shared blocks, the partial 5th copied
@@ -40,7 +41,7 @@ LATENT_PASSES = (
 
 
 def _paged(captures, arch: str, **options):
-    pipeline = with_kv_layout(build_pipeline(**options), KVLayout.PAGED, BLOCK_SIZE)
+    pipeline = with_kv_layout(calibrated(build_pipeline(**options)), KVLayout.PAGED, BLOCK_SIZE)
     return run_pipeline(captures(arch), pipeline)
 
 

@@ -5,6 +5,7 @@ compile, and a starting point for anyone adding a family (add its config to TINY
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
@@ -13,6 +14,9 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .passes.manager import PassSpec, pass_specs, pass_steps
+from .passes.registry import PASSES
 
 VOCAB = 320
 BOS, EOS = 1, 4
@@ -194,3 +198,14 @@ def write_tiny_gguf(checkpoint: Path, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def calibrated(pipeline: Sequence[PassSpec]) -> list[PassSpec]:
+    """The pipeline with each calibrated pass (awq, smoothquant, kv_cache_dtype) given made-up token ids below
+    VOCAB where its options have none: what a compile does with its calibration text, for pipelines run on
+    captured programs."""
+    steps = pass_steps(pipeline)
+    for name, options in steps:
+        if PASSES[name].calibrated:
+            options.setdefault("calibration", [5 + (7 * i) % (VOCAB - 5) for i in range(96)])
+    return pass_specs(steps)

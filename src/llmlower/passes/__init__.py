@@ -15,6 +15,7 @@ from . import (  # noqa: F401  (registration)
     latent_cache,
     paged_attention,
     quantize_weights,
+    smoothquant,
 )
 from .manager import run_pipeline
 from .pipelines import DEFAULT_PIPELINE, FUSION, build_pipeline, parse_quant, with_kv_layout

@@ -23,7 +23,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
 )
 QUANT_NAMES = (
     "none, q8, q8g64, q8g128, q8c (per channel), q4g32, q4g64, q4g128 (asymmetric; -zp4: 4-bit zero points; "
-    "-sym: symmetric), q4mix"
+    "-sym: symmetric), q4mix, q4mix-a8"
 )
 # q4mix: q4g32-zp4 where int4 costs little quality (the attention output and the MLP's gate/up projections,
 # ~60% of a Llama layer's weights), q8 for q/k/v and down, the projections most sensitive to int4's rounded zero
@@ -33,8 +33,14 @@ QUANT_NAMES = (
 # No float zero points: no correction ops (MatMulNBits takes both natively). MoE experts follow the dense MLP
 # ("up_proj" names their gate_up_proj): gate/up int4, down int8, measured on an upcycled SmolLM2 MoE
 # (benchmarks/moe_perplexity.py: gate/up +8.6%, down +18.5%, both +23.5%).
+# q4mix-a8: q4mix with q/k/v and down per channel too, for serving many streams: ONNX Runtime's integer GEMM
+# takes them at 1.6-2x MatMulNBits' 8-bit rate at 16-100 rows, and is slower at one (its activations are rounded
+# per row by extra ops); the smoothquant pass, which build_pipeline adds for any per-channel int8 linear, moves
+# their inputs' outlier channels into the weights (SmolLM2, perplexity.txt: 26.61 against q4mix's 26.36, 27.05
+# unsmoothed; fp32 25.48).
 MIXES = {  # name -> (base, int4 scheme, its weights, the LM head's group)
-    "q4mix": ("q8", "q4g32-zp4", ("o_proj", "gate_proj", "up_proj"), 0)
+    "q4mix": ("q8", "q4g32-zp4", ("o_proj", "gate_proj", "up_proj"), 0),
+    "q4mix-a8": ("q8c", "q4g32-zp4", ("o_proj", "gate_proj", "up_proj"), 0),
 }
 _INT8 = re.compile(r"q8(?:g(32|64|128)|(c))?")
 _INT4 = re.compile(r"q4g(32|64|128)(-sym|-zp4)?")
@@ -61,6 +67,12 @@ def parse_quant(name: str) -> dict[str, Any] | None:
     return options
 
 
+def _per_channel_int8(options: dict[str, Any]) -> bool:
+    """Whether quantize_weights' options give a linear other than the LM head int8 per channel (q8c)."""
+    schemes = [options, *(scheme for _, scheme in options.get("overrides", []))]
+    return any(scheme.get("bits") == 8 and scheme.get("group") == 0 for scheme in schemes)
+
+
 def build_pipeline(
     passes: str | Sequence[str] | None = None,
     quant: str = "none",
@@ -72,7 +84,8 @@ def build_pipeline(
 ) -> list[PassSpec]:
     """The pass list for `passes` (comma-separated names, default DEFAULT_PIPELINE) and the quant options
     (`lm_head_bits`: 8 or 4 for the LM head, default 8; `awq`: the awq pass before quantize_weights, with the same
-    options). `all_logits` leaves out last_token_logits (perplexity scores every position)."""
+    options; per-channel int8 weights take the smoothquant pass there). `all_logits` leaves out last_token_logits
+    (perplexity scores every position)."""
     names = list(DEFAULT_PIPELINE) if passes is None else passes
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
@@ -91,10 +104,12 @@ def build_pipeline(
         )
         if lm_head_bits is not None:
             options["lm_head_bits"] = lm_head_bits
-            if lm_head_bits == 4:  # an int4 head takes the weights' group
-                options.pop("lm_head_group", None)
+            if lm_head_bits == 4:  # an int4 head takes the weights' group (32 beside per-channel int8)
+                options["lm_head_group"] = options["group"] or 32
         if awq:
             pipeline.append(("awq", {"quant": dict(options)}))
+        if _per_channel_int8(options):
+            pipeline.append(("smoothquant", {"quant": dict(options)}))
         pipeline.append(("quantize_weights", options))
     return pipeline
 

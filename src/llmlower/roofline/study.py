@@ -18,6 +18,7 @@ from typing import Any
 
 import torch.fx
 
+from ..api import with_calibration
 from ..errors import LlmlowerError, PassError
 from ..frontend import capture, load, resolve_model
 from ..ir import Cost
@@ -277,7 +278,8 @@ def run_study(
     check_options(options, loaded.spec)
     captured = capture(loaded)
     results = []
-    for word, passes in words:
+    for word, uncalibrated in words:
+        passes = with_calibration(uncalibrated, loaded)  # smoothquant (per-channel int8) is calibrated
         program = run_pipeline(copy.deepcopy(captured), passes)
 
         def executor_for(max_batch: int, max_context: int, passes: list = passes) -> Any:
