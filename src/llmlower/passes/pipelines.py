@@ -34,7 +34,7 @@ QUANT_NAMES = (
 # ("up_proj" names their gate_up_proj): gate/up int4, down int8, measured on an upcycled SmolLM2 MoE
 # (benchmarks/moe_perplexity.py: gate/up +8.6%, down +18.5%, both +23.5%).
 # q4mix-a8: q4mix with q/k/v and down per channel too, for serving many streams: ONNX Runtime's integer GEMM
-# takes them at 1.6-2x MatMulNBits' 8-bit rate at 16-100 rows, and is slower at one (its activations are rounded
+# takes them at 1.3-1.9x MatMulNBits' 8-bit rate at 16-100 rows, and is slower at one (its activations are rounded
 # per row by extra ops); the smoothquant pass, which build_pipeline adds for any per-channel int8 linear, moves
 # their inputs' outlier channels into the weights (SmolLM2, perplexity.txt: 26.61 against q4mix's 26.36, 27.05
 # unsmoothed; fp32 25.48).
