@@ -17,7 +17,8 @@ import torch
 from ..errors import PassError
 from ..ir.program import Program
 from ..ir.quant import QuantScheme
-from .channel_scales import quant_plan, scale_channels
+from .channel_scales import scale_channels
+from .quantize_weights import quant_plan
 from .registry import Pass, register_pass
 
 

@@ -23,7 +23,6 @@ from typing import Any, Protocol
 import torch
 import torch.fx
 
-from ..errors import PassError
 from ..ir.norms import ADD_RMS_NORM, RMS_NORM
 from ..ir.program import LOGITS, Program, fetch_attr
 from ..ir.quant import QuantScheme, dequantize, quantize
@@ -294,11 +293,3 @@ def scale_channels(program: Program, calibration: Sequence[int], plan: QuantPlan
         "calibration_tokens": len(calibration),
         "output_error_ratio": round(after / before, 4) if before else 1.0,
     }
-
-
-def quant_plan(name: str, quant: dict[str, Any] | None) -> QuantPlan:
-    """The QuantPlan of a scaling pass's `quant` option (quantize_weights' options), errors in the pass's name."""
-    try:
-        return QuantPlan.of(**(quant or {}))
-    except (TypeError, ValueError) as exc:
-        raise PassError(f"{name}: {exc}") from None

@@ -9,7 +9,9 @@ from typing import Any
 from ..errors import PassError
 from ..step_io import KVLayout
 from .manager import PassSpec, pass_specs, pass_steps
+from .quantize_weights import quant_plan
 from .registry import PASSES
+from .smoothquant import smooths
 
 FUSION: tuple[str, ...] = ("fuse_norms", "fuse_rope", "fuse_projections")
 # the paged_attention pass is added per backend and target (with_kv_layout)
@@ -67,12 +69,6 @@ def parse_quant(name: str) -> dict[str, Any] | None:
     return options
 
 
-def _per_channel_int8(options: dict[str, Any]) -> bool:
-    """Whether quantize_weights' options give a linear other than the LM head int8 per channel (q8c)."""
-    schemes = [options, *(scheme for _, scheme in options.get("overrides", []))]
-    return any(scheme.get("bits") == 8 and scheme.get("group") == 0 for scheme in schemes)
-
-
 def build_pipeline(
     passes: str | Sequence[str] | None = None,
     quant: str = "none",
@@ -108,7 +104,7 @@ def build_pipeline(
                 options["lm_head_group"] = options["group"] or 32
         if awq:
             pipeline.append(("awq", {"quant": dict(options)}))
-        if _per_channel_int8(options):
+        if smooths(quant_plan("quantize_weights", options)):
             pipeline.append(("smoothquant", {"quant": dict(options)}))
         pipeline.append(("quantize_weights", options))
     return pipeline

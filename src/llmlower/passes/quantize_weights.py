@@ -130,6 +130,14 @@ class QuantPlan:
         return _override(target, self.special, self.scheme)
 
 
+def quant_plan(name: str, options: dict[str, Any] | None) -> QuantPlan:
+    """The QuantPlan of quantize_weights' options, for the pass `name` that reads them (its name in the errors)."""
+    try:
+        return QuantPlan.of(**(options or {}))
+    except (TypeError, ValueError) as exc:
+        raise PassError(f"{name}: {exc}") from None
+
+
 def _swap(graph: torch.fx.Graph, node: torch.fx.Node, op: Any, args: tuple, kwargs: dict | None = None) -> None:
     with graph.inserting_before(node):
         new = graph.call_function(op, args, kwargs)
@@ -171,10 +179,7 @@ def _quantize_experts(
 def quantize_weights(program: Program, **options: Any) -> tuple[Program, dict[str, Any]]:
     """`options`: QuantPlan.of's (bits, group, symmetric, packed_zeros, keep_lm_head, lm_head_bits, keep,
     overrides, quantize_embedding)."""
-    try:
-        plan = QuantPlan.of(**options)
-    except (TypeError, ValueError) as exc:
-        raise PassError(f"quantize_weights: {exc}") from None
+    plan = quant_plan("quantize_weights", options)
     scheme, special = plan.scheme, plan.special
     gm = program.graph_module
     graph = gm.graph

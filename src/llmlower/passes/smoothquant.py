@@ -20,13 +20,19 @@ import torch
 from ..errors import PassError
 from ..ir.program import Program
 from ..ir.quant import QuantScheme
-from .channel_scales import quant_plan, scale_channels
+from .channel_scales import scale_channels
+from .quantize_weights import QuantPlan, quant_plan
 from .registry import Pass, register_pass
 
 
 def rounds_rows(scheme: QuantScheme | None) -> bool:
     """int8 with one scale per output channel: the weights whose activations the ONNX backend rounds per row."""
     return scheme is not None and scheme.bits == 8 and scheme.group == 0
+
+
+def smooths(plan: QuantPlan) -> bool:
+    """Whether `plan` gives a linear other than the LM head per-channel int8: the pipelines this pass belongs in."""
+    return any(rounds_rows(scheme) for scheme in (plan.scheme, *(s for _, s in plan.special)))
 
 
 class Smoothing:
@@ -51,7 +57,7 @@ def smoothquant(
     if len(calibration) < 2:
         raise PassError("smoothquant: calibration needs at least two token ids")
     plan = quant_plan("smoothquant", quant)
-    if not any(rounds_rows(scheme) for scheme in (plan.scheme, *(s for _, s in plan.special))):
+    if not smooths(plan):
         raise PassError("smoothquant: quant needs quantize_weights' options with per-channel int8 weights (q8c)")
     return program, scale_channels(program, calibration, plan, Smoothing())
 
