@@ -243,6 +243,9 @@ def _connect(address: str | None) -> tuple[bool, bool]:
         ray.init(address=address)
         return True, False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a local instance reports nowhere
+    # Serve restarts a proxy whose start takes over 5 s, which a busy 2-core machine exceeds (and a restarted
+    # proxy is killed mid-deployment); its processes inherit this environment from the instance started here.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     ray.init(address="local", include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES)
     return True, True
 
