@@ -1,24 +1,27 @@
 """Decode speed and time to first token, measured in one run for every engine in the table.
 
 Rows: transformers eager (its own forward with a DynamicCache, fp32), llmlower's torch reference backend
-(fp32), llmlower ONNX artifacts (fp32, q8, q4g32, q4mix, ...) and TVM CPU artifacts (fp32, q4g32), compiled once into
---artifacts and reused, and the peers of benchmarks/peers/ (ONNX Runtime GenAI int4, llama.cpp on the
+(fp32), llmlower ONNX artifacts (fp32, q8, q4g32, q4mix, q4mix-a8, ...) and TVM CPU artifacts (fp32, q4g32),
+compiled once into --artifacts and reused, and the peers of benchmarks/peers/ (ONNX Runtime GenAI int4, llama.cpp on the
 example's Q4_1 GGUF) where their setup.sh has been run. Same token sequences everywhere. Decode: batch 1,
 N new tokens (greedy, EOS ignored), tokens/s as the median over repeats. TTFT: prefill of a 13-token and a
-512-token prompt, median.
+512-token prompt, median. With --rounds N every row is measured N times, the rows taking turns (each round in the
+order opposite to the one before: a shared VM drifts within minutes); each figure is then the median over the rounds
+and "vs GenAI" the median of the rounds' ratios.
 
 Each row's bandwidth roof: the bytes one decoded token reads (weights + the KV cache at the decode's mean
 context; llmlower rows from the roofline cost model on the row's own pipeline, peers from their model files)
 against this machine's measured memory bandwidth (llmlower.roofline.ceilings, cached; --remeasure).
 
     .venv/bin/python benchmarks/speed.py [--model example] [--new-tokens 128] [--repeats 3] [--threads N]
-        [--artifacts DIR] [--only NAME,...] [--json FILE] [--remeasure]
+        [--rounds 1] [--artifacts DIR] [--only NAME,...] [--json FILE] [--remeasure]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -57,6 +60,7 @@ ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline op
     "onnx q8": ("q8", "onnx", {"quant": "q8"}),
     "onnx q4g32": ("q4g32", "onnx", {"quant": "q4g32"}),
     "onnx q4mix": ("q4mix", "onnx", {"quant": "q4mix"}),
+    "onnx q4mix-a8": ("q4mix-a8", "onnx", {"quant": "q4mix-a8"}),
     "onnx q4g32-sym int4 head": ("q4g32-sym-head4", "onnx", {"quant": "q4g32-sym", "lm_head_bits": 4}),
     "onnx q4g32-sym awq": ("q4g32-sym-awq", "onnx", {"quant": "q4g32-sym", "awq": True}),
     "tvm fp32": ("tvm-none", "tvm", {}),
@@ -228,6 +232,7 @@ def main() -> None:
     parser.add_argument("--model", default="example")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="measure every row this many times, taking turns")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--artifacts", type=Path, help="where the artifacts are compiled and reused")
     parser.add_argument("--rebuild", action="store_true", help="compile the artifacts even if present")
@@ -264,23 +269,50 @@ def main() -> None:
     for row, (runner, path) in peers.items():
         reads[row] = lambda r=runner, p=path: PEER_READS[r](p, loaded.spec, read_context)
     wanted = set(args.only.split(",")) if args.only else set(engines) | set(peers)
-    rows = {}
+    repeat = (args.new_tokens, args.repeats)
+    runs: dict[str, Callable[[], dict]] = {}  # row -> one measurement; our engines load once, peers start each time
     for name, make in engines.items():
         if name in wanted:
-            print(f"[speed] {name}", file=sys.stderr)
-            rows[name] = measure(*make(), prompts, args.new_tokens, args.repeats)
+            load_once = functools.cache(make)
+            runs[name] = lambda m=load_once: measure(*m(), prompts, *repeat)
     for name, (runner, path) in peers.items():
         if name in wanted:
-            print(f"[speed] {name}", file=sys.stderr)
-            rows[name] = peer(runner, path, prompts, args.new_tokens, args.repeats, args.threads)
+            runs[name] = lambda r=runner, p=path: peer(r, p, prompts, *repeat, args.threads)
+    rounds = take_turns(runs, args.rounds)
+    rows = {name: median_row(results) for name, results in rounds.items()}
     for name, row in rows.items():
         row.update(bandwidth_roof(row["decode_tokens_per_s"], reads[name](), ceilings.bandwidth))
-        row["vs_genai"] = row["decode_tokens_per_s"] / rows[GENAI]["decode_tokens_per_s"] if GENAI in rows else None
+        row["vs_genai"] = ratio_to(rounds, name, GENAI) if GENAI in rows else None
     print_table(rows, args, ceilings.bandwidth, read_context)
     if args.json:
         machine = {"description": ceilings.description, "bandwidth_bytes_per_s": ceilings.bandwidth}
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "decode_context": read_context, "rows": rows}, f, indent=2)
+
+
+def take_turns(runs: dict[str, Callable[[], dict]], rounds: int) -> dict[str, list[dict]]:
+    """Each row's measurements over `rounds` rounds, the rows in turn, every other round in reverse order."""
+    results: dict[str, list[dict]] = {name: [] for name in runs}
+    for number in range(rounds):
+        order = list(runs) if number % 2 == 0 else list(reversed(runs))
+        for name in order:
+            print(f"[speed] round {number + 1}/{rounds}: {name}", file=sys.stderr)
+            results[name].append(runs[name]())
+    return results
+
+
+def median_row(results: list[dict]) -> dict:
+    """One row from its rounds: the median of each figure (a peer's engine and version as they are)."""
+    return {
+        key: statistics.median(r[key] for r in results) if isinstance(value, float) else value
+        for key, value in results[0].items()
+    }
+
+
+def ratio_to(rounds: dict[str, list[dict]], name: str, baseline: str) -> float:
+    """The median over the rounds of row `name`'s decode speed over `baseline`'s in the same round."""
+    pairs = zip(rounds[name], rounds[baseline], strict=True)
+    return statistics.median(a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in pairs)
 
 
 def bandwidth_roof(tokens_per_s: float, bytes_per_token: int, bandwidth: float) -> dict[str, float]:
