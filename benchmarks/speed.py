@@ -287,7 +287,7 @@ def main() -> None:
     if args.json:
         machine = {"description": ceilings.description, "bandwidth_bytes_per_s": ceilings.bandwidth}
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "decode_context": read_context, "rows": rows}, f, indent=2)
+            json.dump({"machine": machine, "decode_context": read_context, "rows": rows, "rounds": rounds}, f, indent=2)
 
 
 def take_turns(runs: dict[str, Callable[[], dict]], rounds: int) -> dict[str, list[dict]]:
