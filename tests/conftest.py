@@ -13,7 +13,6 @@ import functools
 import hashlib
 import json
 import os
-import socket
 import struct
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from tests.ports import free_port
 from tests.runtime.prepare import build_once
 
 if TYPE_CHECKING:
@@ -64,16 +64,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("tiny_arch", list(TINY_CONFIGS))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve_artifact(artifact: Path, *flags: str, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
     """`llmlower serve ARTIFACT` in a subprocess on a free port of 127.0.0.1, until the block ends."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "llmlower.cli", "serve", str(artifact), "--port", str(port), *flags]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from llmlower.errors import LlmlowerError  # noqa: E402
 from llmlower.runtime import Engine, EngineConfig, SamplingParams  # noqa: E402
 from llmlower.serve import ServerConfig  # noqa: E402
 from llmlower.serve.replicas import REPLICA_HEADER, run_replicas  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 from tests.test_replicas import ARTIFACT_VARIABLE  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -47,12 +47,6 @@ MODEL = "tiny"
 MAX_TOKENS = 12
 QUESTIONS = [f"Question {i}: what comes after {i} and {i + 1}?" for i in range(8)]
 ENGINE = EngineConfig(max_num_seqs=8, max_context=128)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +69,7 @@ def url(artifact) -> Iterator[str]:
         assert not ray.is_initialized()
         try:
             running = run_replicas(
-                artifact, ENGINE, ServerConfig(MODEL, KEY), replicas=2, port=_free_port(), threads=1, blocking=False
+                artifact, ENGINE, ServerConfig(MODEL, KEY), replicas=2, port=free_port(), threads=1, blocking=False
             )
             with running:
                 yield running.url
@@ -114,7 +108,7 @@ def test_a_blocking_run_serves_until_sigterm_without_torch(artifact, tmp_path):
     """`llmlower serve ARTIFACT --replicas 2`: it serves until SIGTERM, then deletes the replicas, stops its
     local Ray and returns; the replica processes never load torch. (First in this module: before the module's
     replicas start, so that one Ray instance runs at a time.)"""
-    port, log = _free_port(), tmp_path / "serve.log"
+    port, log = free_port(), tmp_path / "serve.log"
     env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}  # never join a cluster
     env |= {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}  # RAY_DEDUP_LOGS: each replica's line shows
     with open(log, "w") as out:
@@ -152,7 +146,7 @@ def test_what_cannot_start_says_why_and_stops_ray(artifact, tmp_path, monkeypatc
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     with pytest.raises(LlmlowerError, match=r"1 replicas x 4096 threads need 4096 CPUs; this machine has \d+"):
-        run_replicas(artifact, ENGINE, ServerConfig(MODEL), replicas=1, threads=4096, port=_free_port(), blocking=False)
+        run_replicas(artifact, ENGINE, ServerConfig(MODEL), replicas=1, threads=4096, port=free_port(), blocking=False)
     assert not ray.is_initialized()
 
     changed = tmp_path / "changed"
@@ -160,7 +154,7 @@ def test_what_cannot_start_says_why_and_stops_ray(artifact, tmp_path, monkeypatc
     with open(changed / "tokenizer.json", "a") as file:
         file.write(" ")
     with pytest.raises(LlmlowerError, match=r"tokenizer.json: sha256 does not match"):
-        run_replicas(changed, ENGINE, ServerConfig(MODEL), replicas=1, threads=1, port=_free_port(), blocking=False)
+        run_replicas(changed, ENGINE, ServerConfig(MODEL), replicas=1, threads=1, port=free_port(), blocking=False)
     assert not ray.is_initialized()
 
 
@@ -180,7 +174,7 @@ def test_a_full_deployment_answers_429_through_rays_proxy(artifact, monkeypatch)
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             return await asyncio.gather(*(http.post("/v1/completions", json=body, headers=headers) for _ in range(8)))
 
-    with run_replicas(artifact, engine, config, replicas=1, threads=1, port=_free_port(), blocking=False) as running:
+    with run_replicas(artifact, engine, config, replicas=1, threads=1, port=free_port(), blocking=False) as running:
         responses = asyncio.run(eight_at_once(running.url))
     statuses = sorted(r.status_code for r in responses)
     assert set(statuses) == {200, 429}, statuses

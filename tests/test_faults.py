@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from llmlower.errors import LlmlowerError, RequestFailed
 from llmlower.runtime import Engine, SamplingParams
 from llmlower.serve import ServerConfig, run, serving_app
 from llmlower.serve.server import DrainingServer
+from tests.ports import free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "def add(a, b):", "keys and values"]
@@ -108,17 +108,11 @@ def test_a_request_whose_tokens_cannot_be_chosen_fails_without_its_step(engine, 
     _assert_nothing_held(engine)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _live(engine: Engine, server_class: type[uvicorn.Server] = DrainingServer) -> Iterator[str]:
     """The app on a real uvicorn server on 127.0.0.1, in a thread of this process, until the block ends."""
     app = serving_app(engine, ServerConfig(MODEL, max_waiting=4))
-    config = uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning")
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
     server = server_class(config, app) if server_class is DrainingServer else server_class(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -194,7 +188,7 @@ def test_a_dead_engine_thread_fails_its_callers_and_health_turns_503(engine, mon
 def test_run_raises_when_the_engine_thread_dies(engine, monkeypatch):
     """`llmlower serve` then exits non-zero (the CLI prints run's error): a supervisor or Ray restarts it."""
     monkeypatch.setattr(engine, "has_unfinished", lambda: (_ for _ in ()).throw(RuntimeError("injected")))
-    port = _free_port()
+    port = free_port()
     outcome: list[BaseException] = []
 
     def serve() -> None:
