@@ -105,15 +105,13 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
             scales = w.abs().amax(dim=-1) / top
         scales = torch.where(scales == 0, torch.ones_like(scales), scales)
         q = torch.clamp(torch.round(w / scales[..., None]), -top - (scheme.bits == 4), top) + top + 1
-        if scheme.bits == 8:
-            return QuantizedWeight(q.to(torch.uint8), scales.to(weight.dtype), None, in_features)
-        zeros = None
+        zero = None
     elif not scheme.packed_zeros:
         lo = w.amin(dim=-1)
         scales = (w.amax(dim=-1) - lo) / 15
         scales = torch.where(scales == 0, torch.ones_like(scales), scales)
         q = torch.clamp(torch.round((w - lo[..., None]) / scales[..., None]), 0, 15)
-        zeros = (-lo / scales).to(weight.dtype)
+        zero = -lo / scales
     else:
         lo = torch.clamp(w.amin(dim=-1), max=0)
         hi = torch.clamp(w.amax(dim=-1), min=0)
@@ -121,22 +119,39 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
         scales = torch.where(scales == 0, torch.ones_like(scales), scales)
         zero = torch.clamp(torch.round(-lo / scales), 0, 15)
         q = torch.clamp(torch.round(w / scales[..., None]) + zero[..., None], 0, 15)
-        padded_zero = torch.nn.functional.pad(zero, (0, blocks % 2)).to(torch.uint8)
-        zeros = pack_nibbles(padded_zero)
-    return QuantizedWeight(pack_nibbles(q.to(torch.uint8)), scales.to(weight.dtype), zeros, in_features)
+    return pack(q, scales.to(weight.dtype), zero, scheme, in_features)
+
+
+def pack(
+    q: torch.Tensor, scales: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme, in_features: int
+) -> QuantizedWeight:
+    """The stored form of codes q [..., N, blocks, group] (0..15 or 0..255, as floats or integers), their scales
+    [..., N, blocks] (in the dtype to keep) and, for asymmetric int4, zero points [..., N, blocks] (float, or
+    integers 0..15 with packed_zeros)."""
+    if scheme.bits == 8:
+        return QuantizedWeight(q.to(torch.uint8), scales, None, in_features)
+    if scheme.symmetric:
+        zeros = None
+    elif scheme.packed_zeros:
+        zeros = pack_nibbles(torch.nn.functional.pad(zero, (0, zero.shape[-1] % 2)).to(torch.uint8))
+    else:
+        zeros = zero.to(scales.dtype)
+    return QuantizedWeight(pack_nibbles(q.to(torch.uint8)), scales, zeros, in_features)
+
+
+def zero_points(zeros: torch.Tensor | None, bits: int, scales: torch.Tensor) -> torch.Tensor:
+    """The float zero point of each group [..., N, blocks] (scales' shape): 8 or 128 when symmetric."""
+    if zeros is None:
+        return torch.full(scales.shape, 2.0 ** (bits - 1))
+    if zeros.dtype == torch.uint8:
+        return unpack_nibbles(zeros)[..., : scales.shape[-1]].float()
+    return zeros.float()
 
 
 def dequantize(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, in_features: int
 ) -> torch.Tensor:
     """The float32 weight [..., N, K] a quantized weight (qweight [..., N, blocks, bytes]) stands for."""
-    blocks = qweight.shape[-2]
     q = (unpack_nibbles(qweight) if bits == 4 else qweight).float()  # [..., N, blocks, group]
-    if zeros is None:
-        zero = torch.full(qweight.shape[:-1], 2.0 ** (bits - 1))
-    elif zeros.dtype == torch.uint8:
-        zero = unpack_nibbles(zeros)[..., :blocks].float()
-    else:
-        zero = zeros.float()
-    w = (q - zero[..., None]) * scales.float()[..., None]
+    w = (q - zero_points(zeros, bits, scales)[..., None]) * scales.float()[..., None]
     return w.flatten(-2)[..., :in_features]

@@ -32,12 +32,22 @@ from .registry import Pass, register_pass
 aten = torch.ops.aten
 
 
-class _Store:
-    """Quantizes each weight once per scheme, registers its tensors beside it, and counts the bytes."""
+WeightKey = tuple[int, tuple[int, ...], bool, QuantScheme]
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+
+def weight_key(weight: torch.Tensor, scheme: QuantScheme, transposed: bool = False) -> WeightKey:
+    """Names one quantized form of a weight by its memory, so a weight reachable under two names (tied) is one."""
+    return weight.data_ptr(), tuple(weight.shape), transposed, scheme
+
+
+class _Store:
+    """Quantizes each weight once per scheme (or takes the form `rounded` holds for it, as gptq chose it),
+    registers its tensors beside it, and counts the bytes."""
+
+    def __init__(self, gm: torch.fx.GraphModule, rounded: dict[WeightKey, QuantizedWeight]) -> None:
         self.gm = gm
-        self.done: dict[tuple[int, tuple[int, ...], bool, QuantScheme], tuple[QuantizedWeight, list[str | None]]] = {}
+        self.rounded = rounded
+        self.done: dict[WeightKey, tuple[QuantizedWeight, list[str | None]]] = {}
         self.bytes_before = self.bytes_after = 0
 
     def get(
@@ -47,9 +57,9 @@ class _Store:
         [experts, out, in] for a MoE layer's).
         Keyed by the tensor's memory, so a weight reachable under two names (tied) is quantized once."""
         weight = fetch_attr(self.gm, target)
-        key = (weight.data_ptr(), tuple(weight.shape), transposed, scheme)
+        key = weight_key(weight, scheme, transposed)
         if key not in self.done:
-            packed = quantize(weight.t() if transposed else weight, scheme)
+            packed = self.rounded.get(key) or quantize(weight.t() if transposed else weight, scheme)
             owner, _, leaf = target.rpartition(".")
             leaf = f"{leaf}_{scheme.name}"
             module = self.gm.get_submodule(owner)
@@ -176,25 +186,38 @@ def _quantize_experts(
     return quantized, kept
 
 
+def linear_schemes(program: Program, plan: QuantPlan) -> dict[torch.fx.Node, QuantScheme | None]:
+    """Each linear of the program and the scheme the plan gives it (the LM head the head's; None: kept float)."""
+    gm = program.graph_module
+    head = lm_head(gm, output_node_for(gm, program.output_names, LOGITS), {aten.linear.default})
+    schemes = {}
+    for node in gm.graph.nodes:
+        matmul = as_linear(node)
+        if matmul is not None:
+            scheme = plan.scheme_for(matmul[1].target)
+            schemes[node] = plan.head if node is head and scheme is not None else scheme
+    return schemes
+
+
 def quantize_weights(program: Program, **options: Any) -> tuple[Program, dict[str, Any]]:
     """`options`: QuantPlan.of's (bits, group, symmetric, packed_zeros, keep_lm_head, lm_head_bits, keep,
     overrides, quantize_embedding)."""
-    plan = quant_plan("quantize_weights", options)
+    return program, replace_weights(program, quant_plan("quantize_weights", options))
+
+
+def replace_weights(
+    program: Program, plan: QuantPlan, rounded: dict[WeightKey, QuantizedWeight] | None = None
+) -> dict[str, Any]:
+    """Quantize the program's weights by the plan, in place (those in `rounded` as given there); the statistics."""
     scheme, special = plan.scheme, plan.special
     gm = program.graph_module
     graph = gm.graph
-    store = _Store(gm)
+    store = _Store(gm, rounded or {})
     head = lm_head(gm, output_node_for(gm, program.output_names, LOGITS), {aten.linear.default})
     head_weight = fetch_attr(gm, head.args[1].target) if head is not None and is_constant(head.args[1]) else None
     kept = quantized = embeddings = 0
-    for node in list(graph.nodes):
-        matmul = as_linear(node)
-        if matmul is None:
-            continue
-        x, weight, bias, transposed = matmul
-        node_scheme = plan.scheme_for(weight.target)
-        if node is head and node_scheme is not None:
-            node_scheme = plan.head
+    for node, node_scheme in linear_schemes(program, plan).items():
+        x, weight, bias, transposed = as_linear(node)
         if node_scheme is None:
             kept += 1
             continue
@@ -219,7 +242,7 @@ def quantize_weights(program: Program, **options: Any) -> tuple[Program, dict[st
         )
         embeddings += 1
     finish(gm)
-    return program, {
+    return {
         "scheme": scheme.name,
         "overrides": {name: override.name for name, override in special},
         "lm_head": "kept" if plan.head is None else plan.head.name,
@@ -233,7 +256,7 @@ def quantize_weights(program: Program, **options: Any) -> tuple[Program, dict[st
     }
 
 
-def _tolerance(options: dict[str, Any]) -> float:
+def quantized_tolerance(options: dict[str, Any]) -> float:
     """Largest logit change (relative to the largest logit) verification accepts: int8 rounding moves logits
     by well under 5% of their range on the models we test, int4 (any weight of it) by well under 40%."""
     int4 = options.get("bits", 4) == 4 or any(o.get("bits") == 4 for _, o in options.get("overrides", ()))
@@ -258,6 +281,6 @@ register_pass(
             "A tied embedding/LM head weight is quantized once."
         ),
         run=quantize_weights,
-        tolerance=_tolerance,
+        tolerance=quantized_tolerance,
     )
 )
