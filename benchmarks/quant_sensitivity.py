@@ -55,7 +55,7 @@ def measure(model: str | Path, text: str, table: dict[str, list[PassSpec]], tag:
     for label, pipeline in table.items():
         print(f"[{tag}] {label}", file=sys.stderr, flush=True)
         result, history = text_perplexity(model, text, pipeline)
-        stats = history[-1]["stats"] if history[-1]["name"] == "quantize_weights" else {}
+        stats = history[-1]["stats"]
         results[label] = {"perplexity": result.perplexity, "weight_bytes": stats.get("quantized_weight_bytes_after")}
     return results
 

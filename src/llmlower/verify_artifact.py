@@ -91,7 +91,8 @@ def rounds_activations(program: Program, manifest: dict[str, Any]) -> bool:
     passes = {record.name for record in program.history}
     if "kv_cache_dtype" in passes:
         return True
-    return "quantize_weights" in passes and manifest.get(manifest["backend"], {}).get("accuracy_level", 0) > 0
+    quantized = bool(passes & {"quantize_weights", "gptq"})
+    return quantized and manifest.get(manifest["backend"], {}).get("accuracy_level", 0) > 0
 
 
 def verify_artifact(program: Program, staging: Path) -> None:

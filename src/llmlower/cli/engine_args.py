@@ -28,6 +28,7 @@ def pass_pipeline(args: argparse.Namespace, all_logits: bool = False, default_qu
         all_logits=all_logits,
         lm_head_bits=args.lm_head_bits,
         awq=args.awq,
+        gptq=args.gptq,
     )
 
 
@@ -45,6 +46,7 @@ def check_artifact_options(args: argparse.Namespace) -> None:
         "--quant-embedding": args.quant_embedding,
         "--lm-head-bits": args.lm_head_bits,
         "--awq": args.awq,
+        "--gptq": args.gptq,
         "--dtype": args.dtype,
         "--kv-cache-dtype": args.kv_cache_dtype != "auto",
         "--verify": getattr(args, "verify", False),

@@ -52,6 +52,11 @@ def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
         help="activation-aware scales before int4 --quant (the awq pass: calibrated on a built-in text)",
     )
     parser.add_argument(
+        "--gptq",
+        action="store_true",
+        help="round --quant's weights by GPTQ instead of to nearest (the gptq pass: calibrated on a built-in text)",
+    )
+    parser.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"], help="default float32 (compile for cuda: float16)"
     )
     parser.add_argument(

@@ -50,8 +50,8 @@ def _perplexity(args: argparse.Namespace) -> int:
         print(f"perplexity {result.perplexity:.3f} over {result.tokens} tokens ({names})")
         if weight_bytes is not None:
             print(f"weights {weight_bytes / 2**20:.1f} MiB")
-        quant = history[-1]["stats"] if history and history[-1]["name"] == "quantize_weights" else None
-        if quant is not None:
+        quant = history[-1]["stats"] if history else {}
+        if "quantized_weight_bytes_before" in quant:
             before, after = quant["quantized_weight_bytes_before"], quant["quantized_weight_bytes_after"]
             print(f"quantized weights {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB ({after / before:.3f}x)")
     return 0

@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (registration)
     fuse_projections,
     fuse_qkv_attention,
     fuse_rope,
+    gptq,
     kv_cache,
     kv_cache_dtype,
     last_token_logits,

@@ -49,9 +49,10 @@ CACHE_ARGUMENTS = {
 ROTATING = (QKV_ATTENTION.overload, PAGED_QKV_ATTENTION.overload)  # they rotate the keys they cache
 
 
-def calibration_inputs(program: Program, ids: list[int]) -> dict[str, torch.Tensor]:
+def calibration_inputs(program: Program, ids: list[int], every_logit: bool = False) -> dict[str, torch.Tensor]:
     """One sequence of `ids` as a whole prompt, with empty float caches of exactly its length (PAGED: pools of
-    as many blocks, in order)."""
+    as many blocks, in order); a program that computes only the last token's logits computes every token's with
+    `every_logit` (what its LM head sees for all of them)."""
     tokens = len(ids)
     paged = program.kv_layout is KVLayout.PAGED
     blocks = -(-tokens // program.block_size) if paged else 0
@@ -60,7 +61,7 @@ def calibration_inputs(program: Program, ids: list[int]) -> dict[str, torch.Tens
         POSITION_IDS: torch.arange(tokens)[None],
         PAST_LENS: torch.zeros(1, dtype=torch.int64),
         INPUT_LENS: torch.tensor([tokens]),
-        LOGITS_INDICES: torch.tensor([tokens - 1]),
+        LOGITS_INDICES: torch.arange(tokens) if every_logit else torch.tensor([tokens - 1]),
         BLOCK_TABLES: torch.arange(blocks)[None],
     }
     sizes = {"batch": 1, "context": tokens, "pool": blocks}

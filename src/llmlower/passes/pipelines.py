@@ -77,10 +77,12 @@ def build_pipeline(
     all_logits: bool = False,
     lm_head_bits: int | None = None,
     awq: bool = False,
+    gptq: bool = False,
 ) -> list[PassSpec]:
     """The pass list for `passes` (comma-separated names, default DEFAULT_PIPELINE) and the quant options
     (`lm_head_bits`: 8 or 4 for the LM head, default 8; `awq`: the awq pass before quantize_weights, with the same
-    options; per-channel int8 weights take the smoothquant pass there). `all_logits` leaves out last_token_logits
+    options; per-channel int8 weights take the smoothquant pass there; `gptq`: the gptq pass in quantize_weights'
+    place). `all_logits` leaves out last_token_logits
     (perplexity scores every position)."""
     names = list(DEFAULT_PIPELINE) if passes is None else passes
     if isinstance(names, str):
@@ -90,8 +92,8 @@ def build_pipeline(
             raise PassError(f"--passes: unknown pass {name!r} (registered: {', '.join(PASSES)})")
     pipeline: list[PassSpec] = [n for n in names if not (all_logits and n == "last_token_logits")]
     options = parse_quant(quant)
-    if options is None and (keep or quantize_embedding or lm_head_bits or awq):
-        raise PassError("--keep, --quant-embedding, --lm-head-bits and --awq need --quant")
+    if options is None and (keep or quantize_embedding or lm_head_bits or awq or gptq):
+        raise PassError("--keep, --quant-embedding, --lm-head-bits, --awq and --gptq need --quant")
     if options is not None:
         options.update(
             keep_lm_head="lm_head" in keep,
@@ -106,7 +108,7 @@ def build_pipeline(
             pipeline.append(("awq", {"quant": dict(options)}))
         if smooths(quant_plan("quantize_weights", options)):
             pipeline.append(("smoothquant", {"quant": dict(options)}))
-        pipeline.append(("quantize_weights", options))
+        pipeline.append(("gptq" if gptq else "quantize_weights", options))
     return pipeline
 
 
