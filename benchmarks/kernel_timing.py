@@ -18,12 +18,16 @@ from llmlower.roofline.ceilings import copy_probe
 from llmlower.runtime.executors.tvm import use_threads
 
 
-def compiled(module: torch.nn.Module, example: tuple, dynamic_shapes: tuple) -> relax.VirtualMachine:
-    """The module exported with these dynamic shapes, imported by the TVM backend's converters, compiled for this
-    CPU."""
+def compiled(
+    module: torch.nn.Module, example: tuple, dynamic_shapes: tuple, accuracy_level: int = 0
+) -> relax.VirtualMachine:
+    """The module exported with these dynamic shapes, imported by the TVM backend's converters (`accuracy_level`:
+    the backend's option), compiled for this CPU."""
     exported = torch.export.export(module, example, dynamic_shapes=dynamic_shapes).run_decompositions()
     target = tvm_target("cpu")
-    relax_module = StepImporter(target).from_exported_program(exported, False, True, False, convert_map())
+    relax_module = StepImporter(target, accuracy_level).from_exported_program(
+        exported, False, True, False, convert_map()
+    )
     return relax.VirtualMachine(compile_module(relax_module, target), tvm.cpu())
 
 

@@ -4,7 +4,7 @@ bandwidth (read + written). The default shapes are SmolLM2's: q/k/v fused (576 -
 3072), down (1536 -> 576) and the LM head (576 -> 49152).
 
     .venv/bin/python benchmarks/tvm_qlinear_kernel.py [--shapes 576x3072,1536x576] [--quant q4g32-sym,q4g32-zp4]
-        [--rows 1,16,128] [--repeats 20] [--threads 2]
+        [--rows 1,16,128] [--accuracy-levels 0,4] [--repeats 20] [--threads 2]
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ def packed(in_features: int, out_features: int, quant: str) -> tuple[list[torch.
     return [t for t in (q.qweight, q.scales, q.zeros) if t is not None], scheme.bits
 
 
-def compiled_linear(module: Linear, tensors: list[torch.Tensor]) -> tvm.relax.VirtualMachine:
+def compiled_linear(module: Linear, tensors: list[torch.Tensor], accuracy_level: int) -> tvm.relax.VirtualMachine:
     """The module exported for any number of rows, compiled for this CPU."""
     rows = torch.export.Dim("rows", min=1, max=4096)
     example = (torch.randn(2, module.in_features), *tensors)
     shapes = ({0: rows}, None, None, *([(None,)] if len(tensors) == 3 else []))  # the last: *zeros
-    return compiled(module, example, shapes)
+    return compiled(module, example, shapes, accuracy_level)
 
 
 def main() -> None:
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=SHAPES, help="comma-separated IN x OUT")
     parser.add_argument("--quant", default="q4g32-sym,q4g32-zp4,q4g32,q8")
     parser.add_argument("--rows", default="1,16,128")
+    parser.add_argument("--accuracy-levels", default="0,4", help="the backend's accuracy_level (4: int8 at one row)")
     add_run_arguments(parser)
     args = parser.parse_args()
     bandwidth = start(args)
@@ -65,22 +66,29 @@ def main() -> None:
         in_features, out_features = (int(n) for n in shape.split("x"))
         for quant in args.quant.split(","):
             tensors, bits = packed(in_features, out_features, quant)
-            vm = compiled_linear(Linear(bits, in_features, len(tensors) == 3), tensors)
+            module = Linear(bits, in_features, len(tensors) == 3)
             weights = [tvm.runtime.tensor(t.numpy()) for t in tensors]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            for rows in (int(n) for n in args.rows.split(",")):
-                gen = torch.Generator().manual_seed(rows)
-                calls = [
-                    [tvm.runtime.tensor(torch.randn(rows, in_features, generator=gen).numpy()), *weights]
-                    for _ in range(args.repeats)
-                ]
-                seconds = seconds_per_call(vm, calls)
-                flops = 2 * rows * in_features * out_features / seconds
-                line = f"{shape:>10} {quant:>10} rows {rows:>4}: {seconds * 1e3:8.3f} ms, {flops / 1e9:6.1f} GFLOP/s"
-                if rows == 1:
-                    rate = nbytes / seconds
-                    line += f", {rate / 1e9:.1f} GB/s of weights ({100 * rate / bandwidth:.0f}% of the copy's)"
-                print(line, flush=True)
+            for level in (int(n) for n in args.accuracy_levels.split(",")):
+                vm = compiled_linear(module, tensors, level)
+                for rows in (int(n) for n in args.rows.split(",")):
+                    gen = torch.Generator().manual_seed(rows)
+                    xs = [torch.randn(rows, in_features, generator=gen) for _ in range(args.repeats)]
+                    calls = [[tvm.runtime.tensor(x.numpy()), *weights] for x in xs]
+                    seconds = seconds_per_call(vm, calls)
+                    expected = module(xs[0], *tensors)
+                    error = (
+                        torch.from_numpy(vm["main"](*calls[0]).numpy()) - expected
+                    ).abs().max() / expected.abs().max()
+                    flops = 2 * rows * in_features * out_features / seconds
+                    line = (
+                        f"{shape:>10} {quant:>10} level {level} rows {rows:>4}: {seconds * 1e3:8.3f} ms, "
+                        f"{flops / 1e9:6.1f} GFLOP/s, error {error:.1e} of max |out|"
+                    )
+                    if rows == 1:
+                        rate = nbytes / seconds
+                        line += f", {rate / 1e9:.1f} GB/s of weights ({100 * rate / bandwidth:.0f}% of the copy's)"
+                    print(line, flush=True)
 
 
 if __name__ == "__main__":

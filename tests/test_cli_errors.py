@@ -124,6 +124,8 @@ CASES = [
     ("compile {C} -o {O} --quant q3", 1, "--quant 'q3'"),
     ("compile {C} -o {O} --passes nope", 1, "--passes: unknown pass 'nope'"),
     ("compile {C} -o {O} --accuracy-level 9", 2, "--accuracy-level"),
+    ("compile {C} -o {O} --backend tvm --accuracy-level 1", 1, "--accuracy-level 1: the tvm backend takes 0"),
+    ("compile {C} -o {O} --backend mlir --accuracy-level 4", 1, "--accuracy-level: one of the options of --backend"),
     ("compile {BAD_truncated} -o {O}", 1, "tokenizer.json: not valid JSON"),
     ("compile {BAD_notjson} -o {O}", 1, "tokenizer.json: not valid JSON"),
     ("compile {BAD_list} -o {O}", 1, "tokenizer.json: expected a JSON object"),

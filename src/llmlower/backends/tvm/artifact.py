@@ -17,6 +17,7 @@ from ...runtime.artifact import write_artifact
 from ...runtime.weights import tensor_spec
 from ...step_io import LOGITS, KVLayout, pool_names
 from ..manifest import kv_layout_manifest, program_manifest
+from .compile import accuracy_level as level
 from .compile import compile_module, cpu_manifest, cuda_binary, tvm_target
 from .relax_import import COPY_BLOCKS, COPY_INDICES, STEP, to_relax
 
@@ -27,6 +28,7 @@ def build(
     program: Program,
     directory: str | Path,
     target: str = "cpu",
+    accuracy_level: int | None = None,
     cuda_arch: str | None = None,
     cpu: str | None = None,
     write_extra: Callable[[Path], None] | None = None,
@@ -39,7 +41,7 @@ def build(
     if program.kv_layout is not KVLayout.PAGED:
         raise LlmlowerError("the tvm backend needs a program with a paged KV cache (kv_cache, then paged_attention)")
     with stage("lower to Relax (from_exported_program, paged attention over block pools)"):
-        model = to_relax(program, tvm_tgt)
+        model = to_relax(program, tvm_tgt, level(target, accuracy_level))
     with stage(f"compile with TVM for {tvm_tgt.kind.name} ({tvm_tgt.attrs.get('arch') or tvm_tgt.attrs['mcpu']})"):
         executable = compile_module(model.module, tvm_tgt)
     device_code = None
@@ -68,6 +70,7 @@ def build(
             "target": str(tvm_tgt),
             "cuda_arch": tvm_tgt.attrs.get("arch"),
             **cpu_manifest(tvm_tgt),  # triple, cpu and cpu_features: checked against the host when loaded
+            "accuracy_level": model.accuracy_level,
         },
         "kv_layout": kv_layout_manifest(program),
         "entry_points": {

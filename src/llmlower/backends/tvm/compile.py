@@ -45,9 +45,22 @@ def check_target(target: str, cuda_arch: str | None = None) -> None:
         raise LlmlowerError(f"--cuda-arch {cuda_arch!r}: expected an architecture like {', '.join(CUDA_ARCHS)}")
 
 
+def accuracy_level(target: str, asked: int | None) -> int:
+    """The level the build uses: 4 (one activation row's quantized matmuls in int8 where the CPU has an int8
+    dot product) by default on cpu, 0 (float) on cuda; refused: other levels, and 4 on cuda."""
+    level = asked if asked is not None else 4 if target == "cpu" else 0
+    if level not in (0, 4):
+        raise LlmlowerError(f"--accuracy-level {level}: the tvm backend takes 0 (float32) or 4 (int8 activations)")
+    if level and target != "cpu":
+        raise LlmlowerError(f"--accuracy-level {level}: the tvm backend's int8 matmuls are CPU kernels (--target cpu)")
+    return level
+
+
 def check_options(target: str, options: dict[str, str]) -> None:
-    """The backends table's check of the compile options (cuda_arch, cpu), before anything is compiled."""
+    """The backends table's check of the compile options (accuracy_level, cuda_arch, cpu), before anything is
+    compiled."""
     check_target(target, options.get("cuda_arch"))
+    accuracy_level(target, options.get("accuracy_level"))
     cpu = options.get("cpu")
     if cpu is None and target == "cpu":  # this machine's CPU as LLVM detects it: does its feature set hold here?
         from ...runtime.cpu_features import PORTABLE_CPUS, machine_of, missing_cpu_features

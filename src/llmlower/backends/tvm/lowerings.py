@@ -286,7 +286,9 @@ def qlinear(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
         group = int(qweight.ty.shape[2]) * 8 // bits
         lanes = dequantize_lanes(importer.target, group)
         if takes(x, scales, bits, group, in_features, int(qweight.ty.shape[0]), lanes):
-            return emit_qlinear(importer.block_builder, x, qweight, scales, zeros, bias, bits, in_features, lanes)
+            return emit_qlinear(
+                importer.block_builder, x, qweight, scales, zeros, bias, bits, in_features, lanes, importer.int8_dot
+            )
     tensors = [x, qweight, scales] + [t for t in (zeros, bias) if t is not None]
 
     def compute(x, qweight, scales, *rest):

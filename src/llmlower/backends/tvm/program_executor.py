@@ -15,13 +15,14 @@ from .relax_import import to_relax
 
 
 def program_executor(
-    program: Program, max_context: int, num_blocks: int | None = None, threads: int = 0
+    program: Program, max_context: int, num_blocks: int | None = None, threads: int = 0, accuracy_level: int = 0
 ) -> TvmExecutor:
     """Compile the PAGED `program` for this machine's CPU and run it with a pool of `num_blocks` KV blocks
-    (default: DEFAULT_SEQUENCES sequences of max_context)."""
+    (default: DEFAULT_SEQUENCES sequences of max_context); `accuracy_level` as the artifact's option, but float32
+    (0) by default: the reference's own products."""
     target = tvm_target("cpu")
     with stage("lower to Relax and compile with TVM"):
-        model = to_relax(program, target)
+        model = to_relax(program, target, accuracy_level)
         executable = compile_module(model.module, target)
     spec = program.spec
     block_size = program.block_size

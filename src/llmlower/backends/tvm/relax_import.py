@@ -26,6 +26,7 @@ from tvm.relax.frontend.torch.exported_program_translator import ExportedProgram
 from ...ir.program import LOGITS, Program, fetch_attr
 from ...spec import ModelSpec
 from ...step_io import BLOCK_TABLES, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout, pool_names
+from .int8_dot import int8_dot_product
 from .lowerings import TvmLoweringError, convert_map
 from .paged_kernels import emit_copy_blocks
 
@@ -39,6 +40,7 @@ class RelaxModel:
 
     module: tvm.IRModule
     params: dict[str, np.ndarray]
+    accuracy_level: int  # 4 where quantized matmuls of one activation row run in int8 (qlinear_kernel), else 0
 
     @property
     def inputs(self) -> list[str]:
@@ -51,9 +53,11 @@ class StepImporter(ExportedProgramImporter):
     """from_exported_program's importer for a PAGED step: the converters read the target of the attention
     kernels, position_ids and the kernels' int32 step inputs (made once, at the first attention) from here."""
 
-    def __init__(self, target: tvm.target.Target) -> None:
+    def __init__(self, target: tvm.target.Target, accuracy_level: int = 0) -> None:
         super().__init__()
         self.target = target
+        # accuracy_level 4: one activation row's quantized matmuls in int8 where the CPU has an int8 dot product
+        self.int8_dot = int8_dot_product(target) if accuracy_level else None
         self._step_inputs: tuple[relax.Expr, relax.Expr, relax.Expr] | None = None
         self._rotary: dict[tuple[relax.Expr, relax.Expr], tuple[relax.Var, relax.Var]] = {}
 
@@ -189,9 +193,10 @@ def _copy_blocks(builder: relax.BlockBuilder, step: relax.Function, spec: ModelS
         builder.emit_func_output(out)
 
 
-def to_relax(program: Program, target: tvm.target.Target) -> RelaxModel:
+def to_relax(program: Program, target: tvm.target.Target, accuracy_level: int = 0) -> RelaxModel:
     """The Relax module of a PAGED `program` for `target`: `step` for any number of packed tokens of any
-    number of sequences, and `copy_blocks`."""
+    number of sequences, and `copy_blocks`; `accuracy_level` 4: one activation row's quantized matmuls in int8
+    where the CPU has an int8 dot product (qlinear_kernel.rounds_activations; 0: float32)."""
     if program.kv_layout is not KVLayout.PAGED:
         raise TvmLoweringError(
             "the TVM backend lowers PAGED programs (the paged_attention pass, e.g. "
@@ -201,7 +206,7 @@ def to_relax(program: Program, target: tvm.target.Target) -> RelaxModel:
     exported = step_program(program).export().run_decompositions()
     _prepare(exported)
     check_lowerable(exported, converters)
-    importer = StepImporter(target)
+    importer = StepImporter(target, accuracy_level)
     module = importer.from_exported_program(exported, True, True, False, converters)
     step = module["main"]
     names = [p.name for p in step.params[int(step.attrs["num_input"]) :]]
@@ -212,4 +217,4 @@ def to_relax(program: Program, target: tvm.target.Target) -> RelaxModel:
     step = step.without_attr("params").without_attr("tir_var_upper_bound")
     builder.add_func(step.with_attr("global_symbol", STEP), STEP)
     _copy_blocks(builder, step, program.spec, target)
-    return RelaxModel(builder.get(), params)
+    return RelaxModel(builder.get(), params, 4 if importer.int8_dot else 0)
