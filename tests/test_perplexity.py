@@ -94,6 +94,24 @@ def test_perplexity_cli_json(tiny_llama, tmp_path, capsys):
     assert q4["weight_bytes"] < 0.5 * fp32["weight_bytes"]
 
 
+def test_decode_scoring_matches_the_prompts_and_takes_any_artifact(tiny_llama, compiled, tmp_path, capsys):
+    """--decode scores one token per step: the same perplexity as one step over the window (float32), and it
+    scores an artifact that keeps only the last token's logits, which prompt scoring refuses."""
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 6)
+    scores = []
+    for extra in ([], ["--decode"]):
+        assert main(["perplexity", str(tiny_llama), "--text", str(text), "--window", "32", "--json", *extra]) == 0
+        scores.append(json.loads(capsys.readouterr().out))
+    assert scores[1]["tokens"] == scores[0]["tokens"]
+    assert scores[1]["perplexity"] == pytest.approx(scores[0]["perplexity"], rel=1e-4)
+    artifact = str(compiled(tiny_llama))
+    assert main(["perplexity", artifact, "--text", str(text), "--window", "32"]) == 1
+    assert "perplexity --decode" in capsys.readouterr().err
+    assert main(["perplexity", artifact, "--text", str(text), "--window", "32", "--json", "--decode"]) == 0
+    assert json.loads(capsys.readouterr().out)["perplexity"] == pytest.approx(scores[0]["perplexity"], rel=1e-3)
+
+
 def test_perplexity_cli_errors(tiny_llama, tmp_path, capsys):
     assert main(["perplexity", str(tiny_llama), "--text", str(tmp_path / "missing.txt")]) != 0
     assert "missing.txt" in capsys.readouterr().err

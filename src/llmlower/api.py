@@ -330,11 +330,14 @@ def text_perplexity(
     window: int = 512,
     stride: int | None = None,
     kv_cache_dtype: str = "auto",
+    decode: bool = False,
 ) -> tuple[PerplexityResult, list[dict]]:
     """Sliding-window perplexity of `text` under MODEL compiled with `pipeline` (which must keep every
     position's logits: no last_token_logits) and its KV cache in `kv_cache_dtype`, or under an artifact compiled
-    that way (the pipeline is then the artifact's). The window is capped at the model's context; the stride
-    defaults to half the window. Returns the result and the passes that ran (name, options, stats)."""
+    that way (the pipeline is then the artifact's). `decode`: each window scored one token per step instead, as
+    generation runs (any artifact; a window's tokens are that many steps). The window is capped at the model's
+    context; the stride defaults to half the window. Returns the result and the passes that ran (name, options,
+    stats)."""
     check_kv_cache_dtype(kv_cache_dtype, dtype, "torch", "cpu")
     if stride is not None:
         check_window(window, stride)  # before the model loads
@@ -357,5 +360,6 @@ def text_perplexity(
     stride = stride or window // 2
     check_window(window, stride, note)
     ids = tokenizer.encode(text, add_special_tokens=False)
-    result = perplexity(executor.prompt_logits, ids, window=window, stride=stride)
+    scorer = executor.decode_logits if decode else executor.prompt_logits
+    result = perplexity(scorer, ids, window=window, stride=stride)
     return result, history

@@ -18,6 +18,11 @@ def add_perplexity_parser(sub: argparse._SubParsersAction) -> None:
     ppl.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     ppl.add_argument("--stride", type=int, help="tokens the window advances (default: half the window)")
     ppl.add_argument("--json", action="store_true", help='print {"perplexity", "tokens", "weight_bytes"}')
+    ppl.add_argument(
+        "--decode",
+        action="store_true",
+        help="score one token per step, as generation runs (any artifact; e.g. tvm's int8 decode matmuls); slower",
+    )
     add_pipeline_options(ppl)
     ppl.set_defaults(run=_perplexity)
 
@@ -39,7 +44,14 @@ def _perplexity(args: argparse.Namespace) -> int:
     pipeline = pass_pipeline(args, all_logits=True)
     dtype, kv_cache_dtype = args.dtype or "float32", args.kv_cache_dtype
     result, history = text_perplexity(
-        args.model, text, pipeline, dtype=dtype, window=args.window, stride=args.stride, kv_cache_dtype=kv_cache_dtype
+        args.model,
+        text,
+        pipeline,
+        dtype=dtype,
+        window=args.window,
+        stride=args.stride,
+        kv_cache_dtype=kv_cache_dtype,
+        decode=args.decode,
     )
     weight_bytes = history[-1]["stats"]["parameter_bytes"] if history else None
     report = {"perplexity": result.perplexity, "tokens": result.tokens, "weight_bytes": weight_bytes}

@@ -168,9 +168,18 @@ class Executor(ABC):
         (for scoring text, with nothing else running): one step asking for every position's logits, which needs
         a program without last_token_logits."""
         if not self.all_positions and len(tokens) > 1:
-            raise GenerationError("this program computes last-token logits only; compile without last_token_logits")
+            raise GenerationError(
+                "this program computes last-token logits only; compile without last_token_logits, or score one "
+                "token per step (decode_logits, perplexity --decode)"
+            )
         count = len(tokens)
         return self.step(StepBatch([tokens], [0], sequential_block_tables(self, [count]), [count]))
+
+    def decode_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """float32 logits [len(tokens), vocab] of every position of a fresh sequence, one token per step: what
+        generation runs, where a backend's matmuls may take another kernel than for a prompt's rows."""
+        table = sequential_block_tables(self, [len(tokens)])
+        return np.concatenate([self.step(StepBatch([[token]], [past], table)) for past, token in enumerate(tokens)])
 
     def slot_rows(self, block: int) -> tuple[int, slice, slice]:
         """SLOTS layout: where a block lives in a cache [slots, kv_heads, positions, head_dim], its slot and
