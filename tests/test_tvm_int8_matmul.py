@@ -1,10 +1,11 @@
-"""The TVM CPU kernel's int8 path (accuracy_level 4): one activation row's matmul (4-bit weights, and 8-bit ones with
-VNNI) with x rounded to int8 per group, on each int8 dot-product instruction this CPU has, against the same integer
-arithmetic in numpy; several rows, per-channel int8 and 8-bit without VNNI keep the float kernel; the option's
-errors and the artifact's manifest."""
+"""The TVM CPU kernel's int8 path (accuracy_level 4): grouped matmuls (4-bit weights, and 8-bit ones with VNNI) with
+x rounded to int8 per group, one row and many, on each int8 dot-product instruction and vector width this CPU has,
+against the same integer arithmetic in numpy; per-channel int8 and 8-bit without VNNI keep the float kernel; the
+option's errors and the artifact's manifest."""
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 
@@ -15,7 +16,7 @@ import tvm
 
 from llmlower.api import compile_artifact
 from llmlower.backends.tvm.compile import tvm_target
-from llmlower.backends.tvm.int8_dot import MADDUBS, VNNI, int8_dot_product
+from llmlower.backends.tvm.int8_dot import MADDUBS, VNNI, Int8Dot, int8_dot_product
 from llmlower.backends.tvm.qlinear_kernel import qlinear_kernel
 from llmlower.errors import LlmlowerError
 from llmlower.ir.quant import QuantScheme, quantize
@@ -32,20 +33,30 @@ SCHEMES = {  # --quant name: the scheme and the kernel's kind of zero points
 }
 
 
-def _kinds() -> list[str]:
-    """MADDUBS everywhere on x86; VNNI where this CPU has it."""
-    return [MADDUBS] + ([VNNI] if int8_dot_product(tvm_target("cpu")) == VNNI else [])
+def _instructions() -> list[Int8Dot]:
+    """MADDUBS everywhere on x86, VNNI where this CPU has it, each at every vector width up to this CPU's widest."""
+    here = int8_dot_product(tvm_target("cpu"))
+    if here is None:
+        return []
+    kinds = [MADDUBS] + ([VNNI] if here.kind == VNNI else [])
+    return [Int8Dot(kind, width) for kind in kinds for width in (16, 32, 64) if width <= here.widest]
+
+
+@functools.cache
+def _library(dot: Int8Dot | None, out_features: int, in_features: int, group: int, bits: int, zeros: str):
+    """The kernel built with `dot` (None: the float kernel) for this CPU."""
+    kernel = qlinear_kernel(out_features, in_features, group, bits, zeros, True, 16, dot)
+    return tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=tvm_target("cpu"))
 
 
 def _run_kernel(
-    kind: str | None, x: np.ndarray, tensors: list[np.ndarray], bits: int, zeros: str, bias: np.ndarray
+    dot: Int8Dot | None, x: np.ndarray, tensors: list[np.ndarray], bits: int, zeros: str, bias: np.ndarray
 ) -> np.ndarray:
-    """x [rows, K] through the kernel built with `kind` for this CPU; returns [rows, N]."""
+    """x [rows, K] through the kernel built with `dot` (None: the float kernel); returns [rows, N]."""
     qweight = tensors[0]
     out_features, groups, per_group = qweight.shape
     in_features = groups * per_group * 8 // bits
-    kernel = qlinear_kernel(out_features, in_features, in_features // groups, bits, zeros, True, 16, kind)
-    library = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=tvm_target("cpu"))
+    library = _library(dot, out_features, in_features, in_features // groups, bits, zeros)
     placeholder = np.zeros(1, "float32")
     args = [x[None], *tensors[:2], tensors[2] if len(tensors) == 3 else placeholder, bias]
     out = tvm.runtime.tensor(np.zeros((1, x.shape[0], out_features), "float32"))
@@ -54,7 +65,7 @@ def _run_kernel(
 
 
 def _int8_reference(x: np.ndarray, weight: np.ndarray, zero: np.ndarray, scales: np.ndarray, group: int):
-    """One row's product as the kernel computes it: x rounded per group to int8 (scale max|x| / 127, ties to even),
+    """One row's product as the int8 kernel computes it: x rounded per group to int8 (scale max|x| / 127, ties to even),
     integer dot products with the 4-bit values, then (dot - zero * sum of x's integers) * weight scale * x scale."""
     groups = x.size // group
     xg = x.reshape(groups, group).astype(np.float64)
@@ -81,57 +92,59 @@ def _zero_points(scheme: QuantScheme, zeros: torch.Tensor | None, groups: int) -
     return zeros.numpy().astype(np.float64)
 
 
-def _cases() -> list[tuple[str, str]]:
+def _cases() -> list[tuple[Int8Dot, str]]:
     """(instruction, --quant) pairs that take the int8 path: 8-bit weights with VNNI only."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return []
-    return [(kind, quant) for kind in _kinds() for quant in sorted(SCHEMES) if kind == VNNI or "q8" not in quant]
+    return [
+        (dot, quant) for dot in _instructions() for quant in sorted(SCHEMES) if dot.kind == VNNI or "q8" not in quant
+    ]
 
 
 @x86
-@pytest.mark.parametrize(("kind", "quant"), _cases())
-def test_one_row_in_int8_is_the_integer_arithmetic(kind, quant):
+@pytest.mark.parametrize(("dot", "quant"), _cases(), ids=str)
+def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
+    """One row (decode) and eleven (a tile of rows and the rest one by one), each row as the reference computes it,
+    and off the float kernel by the rounding of x only. Groups of 32 take 576 features: 18 groups, which 64-byte
+    vectors of four 4-bit groups do not divide."""
     scheme, zeros = SCHEMES[quant]
+    in_features = 576 if scheme.group == 32 else 512
     gen = torch.Generator().manual_seed(0)
-    out_features, in_features = 128, 512
-    weight = torch.randn(out_features, in_features, generator=gen) * 0.05
-    q = quantize(weight, scheme)
+    out_features = 64
+    q = quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, scheme)
     tensors = [t.numpy() for t in (q.qweight, q.scales, q.zeros) if t is not None]
     bias = torch.randn(out_features, generator=gen).numpy()
-    x = (torch.randn(1, in_features, generator=gen) * 3).numpy()
-    x[0, : scheme.group] = 0  # a group of zeros: scale 0, no division by it
-    groups = in_features // scheme.group
-
-    got = _run_kernel(kind, x, tensors, scheme.bits, zeros, bias)[0]
-    zero = _zero_points(scheme, q.zeros, groups)
+    zero = _zero_points(scheme, q.zeros, in_features // scheme.group)
     weights = _unpacked(tensors[0], scheme.bits)
-    expected = _int8_reference(x[0], weights, zero, q.scales.numpy(), scheme.group) + bias
-    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
-    exact = _run_kernel(None, x, tensors, scheme.bits, zeros, bias)[0]  # the float kernel: x not rounded
-    assert 0 < np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
+    for rows in (1, 11):
+        x = (torch.randn(rows, in_features, generator=gen) * 3).numpy()
+        x[0, : scheme.group] = 0  # a group of zeros: scale 0, no division by it
+        got = _run_kernel(dot, x, tensors, scheme.bits, zeros, bias)
+        expected = np.stack([_int8_reference(row, weights, zero, q.scales.numpy(), scheme.group) for row in x]) + bias
+        assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+        exact = _run_kernel(None, x, tensors, scheme.bits, zeros, bias)  # the float kernel: x not rounded
+        assert 0 < np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
 
 
 @x86
 @pytest.mark.parametrize(
-    ("scheme", "rows", "kinds"),
+    ("scheme", "kinds"),
     [
-        (QuantScheme(4, 32), 3, _kinds),  # a prompt's rows, or the LM head over several sequences
-        (QuantScheme(8, 0), 1, _kinds),  # q8c: one group a row
-        (QuantScheme(8, 32), 1, lambda: [MADDUBS]),  # pmaddubsw's int16 pair sums (255 x 127 x 2) would saturate
+        (QuantScheme(8, 0), (MADDUBS, VNNI)),  # q8c: one group a row
+        (QuantScheme(8, 32), (MADDUBS,)),  # pmaddubsw's int16 pair sums (255 x 127 x 2) would saturate
     ],
 )
-def test_what_the_int8_path_does_not_take_stays_in_float32(scheme, rows, kinds):
-    """Several rows, per-channel int8 and 8-bit weights without VNNI: the float kernel's results, bit for bit."""
-    gen = torch.Generator().manual_seed(rows)
+def test_what_the_int8_path_does_not_take_stays_in_float32(scheme, kinds):
+    """Per-channel int8 and 8-bit weights without VNNI: the float kernel's results, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
     q = quantize(torch.randn(64, 256, generator=gen), scheme)
     tensors = [q.qweight.numpy(), q.scales.numpy()]
     bias = np.zeros(64, "float32")
-    x = torch.randn(rows, 256, generator=gen).numpy()
-    for kind in kinds():
-        np.testing.assert_array_equal(
-            _run_kernel(kind, x, tensors, scheme.bits, "none", bias),
-            _run_kernel(None, x, tensors, scheme.bits, "none", bias),
-        )
+    x = torch.randn(3, 256, generator=gen).numpy()
+    for dot in _instructions():
+        if dot.kind in kinds:
+            np.testing.assert_array_equal(
+                _run_kernel(dot, x, tensors, scheme.bits, "none", bias),
+                _run_kernel(None, x, tensors, scheme.bits, "none", bias),
+            )
 
 
 @x86

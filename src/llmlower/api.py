@@ -190,8 +190,8 @@ def compile_artifact(
     kv_cache_dtype: str = "auto",
 ) -> Path:
     """Compile MODEL into a deployable artifact directory at `output` (written atomically) with the onnx backend
-    (`accuracy_level`: MatMulNBits', default 4), the tvm one (`accuracy_level` 4, the cpu default: a decode row's
-    grouped int4 / int8 matmuls with int8 activations, 0: float32; `cuda_arch` for cuda, e.g. sm_90; `cpu`: the
+    (`accuracy_level`: MatMulNBits', default 4), the tvm one (`accuracy_level` 4, the cpu default: grouped int4 / int8
+    matmuls with int8 activations, 0: float32; `cuda_arch` for cuda, e.g. sm_90; `cpu`: the
     LLVM CPU name, default this machine's) or the mlir one (`dialect`: torch, linalg (default), stablehlo or tosa;
     `static_dims`: sizes fixed in the module, e.g. {"batch": 1, "tokens": 16}, a decode step's for tosa). The
     dtype defaults to float32 on cpu and float16 on cuda; the pipeline gets the KV layout the backend runs on the

@@ -1,6 +1,6 @@
 """The TVM backend: lower a PAGED Program to Relax (relax_import.to_relax: llmlower's paged-attention TIR kernels
-over block pools the runtime owns, dequantize-in-matmul for int8/int4 weights; on x86 CPUs a decode row's grouped
-quantized matmuls in int8, accuracy_level 4), compile it for llvm or CUDA (compile.compile_module) and run it with
+over block pools the runtime owns, dequantize-in-matmul for int8/int4 weights; on x86 CPUs grouped quantized
+matmuls in int8, accuracy_level 4), compile it for llvm or CUDA (compile.compile_module) and run it with
 runtime.executors.tvm.TvmExecutor; artifact.build writes the library, its weights (safetensors) and the manifest
 as a deployable artifact."""
 
@@ -17,8 +17,8 @@ BACKEND = Backend(
     summary="Apache TVM: Relax + llmlower's paged-attention kernels, llvm (CPU) or CUDA",
     options=("accuracy_level", "cuda_arch", "cpu"),
     check="compile:check_options",
-    # accuracy_level 4 (the CPU default) rounds one activation row to int8 per group for its grouped quantized
-    # matmuls, as ONNX Runtime's MatMulNBits does at its level 4
+    # accuracy_level 4 (the CPU default) rounds activations to int8 per group for the grouped quantized matmuls,
+    # as ONNX Runtime's MatMulNBits does at its level 4
     tolerance=Tolerance(rounded_activations=0.1),
     int8_kv_targets=("cpu",),  # the CUDA kernels read float pools
 )

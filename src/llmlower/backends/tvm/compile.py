@@ -46,8 +46,8 @@ def check_target(target: str, cuda_arch: str | None = None) -> None:
 
 
 def accuracy_level(target: str, asked: int | None) -> int:
-    """The level the build uses: 4 (one activation row's quantized matmuls in int8 where the CPU has an int8
-    dot product) by default on cpu, 0 (float) on cuda; refused: other levels, and 4 on cuda."""
+    """The level the build uses: 4 (grouped quantized matmuls in int8 where the CPU has an int8 dot
+    product) by default on cpu, 0 (float) on cuda; refused: other levels, and 4 on cuda."""
     level = asked if asked is not None else 4 if target == "cpu" else 0
     if level not in (0, 4):
         raise LlmlowerError(f"--accuracy-level {level}: the tvm backend takes 0 (float32) or 4 (int8 activations)")

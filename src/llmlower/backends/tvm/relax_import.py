@@ -40,7 +40,7 @@ class RelaxModel:
 
     module: tvm.IRModule
     params: dict[str, np.ndarray]
-    accuracy_level: int  # 4 where quantized matmuls of one activation row run in int8 (qlinear_kernel), else 0
+    accuracy_level: int  # 4 where grouped quantized matmuls run in int8 (qlinear_int8), else 0
 
     @property
     def inputs(self) -> list[str]:
@@ -56,7 +56,7 @@ class StepImporter(ExportedProgramImporter):
     def __init__(self, target: tvm.target.Target, accuracy_level: int = 0) -> None:
         super().__init__()
         self.target = target
-        # accuracy_level 4: one activation row's quantized matmuls in int8 where the CPU has an int8 dot product
+        # accuracy_level 4: grouped quantized matmuls in int8 where the CPU has an int8 dot product
         self.int8_dot = int8_dot_product(target) if accuracy_level else None
         self._step_inputs: tuple[relax.Expr, relax.Expr, relax.Expr] | None = None
         self._rotary: dict[tuple[relax.Expr, relax.Expr], tuple[relax.Var, relax.Var]] = {}
@@ -195,8 +195,8 @@ def _copy_blocks(builder: relax.BlockBuilder, step: relax.Function, spec: ModelS
 
 def to_relax(program: Program, target: tvm.target.Target, accuracy_level: int = 0) -> RelaxModel:
     """The Relax module of a PAGED `program` for `target`: `step` for any number of packed tokens of any
-    number of sequences, and `copy_blocks`; `accuracy_level` 4: one activation row's quantized matmuls in int8
-    where the CPU has an int8 dot product (qlinear_kernel.rounds_activations; 0: float32)."""
+    number of sequences, and `copy_blocks`; `accuracy_level` 4: grouped quantized matmuls in int8
+    where the CPU has an int8 dot product (qlinear_int8.rounds_activations; 0: float32)."""
     if program.kv_layout is not KVLayout.PAGED:
         raise TvmLoweringError(
             "the TVM backend lowers PAGED programs (the paged_attention pass, e.g. "

@@ -1,0 +1,217 @@
+"""The int8 CPU kernel of a grouped quantized linear layer (accuracy_level 4), as ONNX Runtime's MatMulNBits runs at
+its level 4: each row of x rounded to int8 per group (scale max|x| / 127), the weight bytes multiplied into int32
+lanes by int8_dot's instruction, and per group
+
+    out[i, n] += scale[n, g] * x_scale[i, g] * (dot - zero[n, g] * the sum of x's integers).
+
+Each thread takes whole weight rows and reads a row's bytes once per TILE activation rows, in the widest vectors the
+CPU has (a 64-byte vector holds four groups of 32 4-bit weights), so that the float arithmetic of the groups runs on
+whole vectors too: the row's scales (and zero points) are spread over the lanes once per row, each x row's scales
+and sums once per call. One row (decode) is bound by memory, many (prompts, many streams) by the int8 instructions;
+converting every weight to float32, the float kernel was bound by those conversions at both."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .int8_dot import VNNI, Int8Dot, dot_u8_s8
+from .paged_kernels import ATTRS
+
+TILE = 8  # activation rows a weight vector is multiplied with while it is in a register
+
+
+def rounds_activations(bits: int, group: int, groups: int, int8_dot: Int8Dot | None) -> bool:
+    """Whether a matmul runs in int8 here: groups of whole 16-byte vectors of weights, on a CPU with an int8 dot
+    product; 8-bit weights only with VNNI (pmaddubsw's int16 pair sums would saturate) and not per channel (one group
+    a row, whose scale leaves nothing to apply per group)."""
+    if int8_dot is None or group * bits // 8 % 16 or groups == 1:
+        return False
+    return bits == 4 or int8_dot.kind == VNNI
+
+
+def vector_bytes(per_group: int, groups: int, widest: int) -> int:
+    """The widest vector, up to `widest` bytes, that holds a whole number of groups of `per_group` bytes (dividing
+    the row's groups) or a whole fraction of one group."""
+    for width in (64, 32, 16):
+        whole_groups = width % per_group == 0 and groups % (width // per_group) == 0
+        if width <= widest and (per_group % width == 0 or whole_groups):
+            return width
+    raise ValueError(f"groups of {per_group} bytes: not a multiple of 16")
+
+
+def zero_point(zeros: str, bits: int, zero_buffer: tirx.Buffer, n: tirx.PrimExpr, g: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Group g's zero point of weight row n, float32: `zeros` "none" (symmetric: 8, or 128 for 8 bits), "float"
+    (float32 [N, groups]) or "nibbles" (uint8 [N, ceil(groups / 2)], two groups a byte)."""
+    if zeros == "float":
+        return zero_buffer[n, g]
+    if zeros == "nibbles":
+        return T.Cast("float32", (zero_buffer[n, g // 2] >> T.Cast("uint8", g % 2 * 4)) & T.uint8(15))
+    return T.float32(2 ** (bits - 1))
+
+
+class Operands(NamedTuple):
+    """The kernel's buffers, passed to its macros as one."""
+
+    x: tirx.Buffer
+    weight: tirx.Buffer  # uint8 [N, groups * bytes per group]: a row's groups one after another
+    scales: tirx.Buffer
+    zeros: tirx.Buffer
+    bias: tirx.Buffer
+    out: tirx.Buffer
+    x_even: tirx.Buffer  # int8 [rows, ...]: x rounded (4-bit weights: each group's even features, low nibbles)
+    x_odd: tirx.Buffer  # 4-bit weights: the odd features (high nibbles)
+    x_scale: tirx.Buffer  # [rows, groups * group lanes]: each group's scale, in every lane the group takes
+    x_sums: tirx.Buffer  # [rows, groups * group lanes]: the sum of the rounded x each lane multiplies
+    x_max: tirx.Buffer  # [rows]
+
+
+@functools.cache
+def int8_kernel(
+    out_features: int, in_features: int, group: int, bits: int, zeros: str, bias: bool, int8_dot: Int8Dot
+) -> tirx.PrimFunc:
+    """out [a, b, N] = x [a, b, K] @ dequantize(w).T (+ bias) with x rounded to int8 per group; the operands as
+    qlinear_kernel's."""
+    groups = in_features // group
+    per_group = group * bits // 8  # bytes
+    width = vector_bytes(per_group, groups, int8_dot.widest)
+    span = min(per_group, width)  # bytes of one group in a vector
+    group_lanes = span // 4  # int32 lanes a group takes
+    per_vector = max(1, width // per_group)  # groups in a vector
+    vectors = per_group // span  # vectors a group takes
+    lanes = width // 4
+    lane_type = f"float32x{lanes}"
+    task_rows = next(r for r in (64, 32, 16, 8, 4, 2, 1) if out_features % r == 0)  # weight rows a thread takes
+    half = group // 2
+    zero_shape = {"none": (1,), "float": (out_features, groups), "nibbles": (out_features, (groups + 1) // 2)}[zeros]
+    zero_dtype = "uint8" if zeros == "nibbles" else "float32"
+
+    def rounded_x(k, i, at):  # the rounded x row i has at weight byte `at` (4-bit: both nibbles'), summed
+        if bits == 4:
+            return T.Cast("float32", k.x_even[i, at]) + T.Cast("float32", k.x_odd[i, at])
+        return T.Cast("float32", k.x_even[i, at])
+
+    def weight_dot(acc, weights, k, i, at):  # acc + a vector of weight bytes against row i's x from byte `at`
+        x_bytes = T.ramp(at, 1, width)
+        if bits == 8:
+            return dot_u8_s8(int8_dot.kind, acc, weights, k.x_even[i, x_bytes], width)
+        low = T.broadcast(T.uint8(15), width)
+        even = dot_u8_s8(int8_dot.kind, acc, weights & low, k.x_even[i, x_bytes], width)
+        return dot_u8_s8(int8_dot.kind, even, weights >> T.broadcast(T.uint8(4), width), k.x_odd[i, x_bytes], width)
+
+    def spread(values):  # a vector's groups' values (scalars, one per group) over the lanes each group takes
+        if per_vector == 1:
+            return T.broadcast(values[0], lanes)
+        return T.Shuffle([T.broadcast(value, group_lanes) for value in values], list(range(lanes)))
+
+    def scale_lanes(k, n, s):  # the weight scales of the groups in vector s of row n, over their lanes
+        return spread([k.scales[n, s * per_vector + q] for q in range(per_vector)])
+
+    def zero_lanes(k, n, s):  # their zero points
+        if zeros == "none":
+            return T.broadcast(zero_point(zeros, bits, k.zeros, n, 0), lanes)
+        return spread([zero_point(zeros, bits, k.zeros, n, s * per_vector + q) for q in range(per_vector)])
+
+    def lane_total(k, acc, r, n):  # row r's lanes summed, plus the bias
+        total = k.bias[n] if bias else T.float32(0)
+        for lane in range(lanes):
+            total = total + acc[r, lane]
+        return total
+
+    @T.macro
+    def round_row(k, i, b):  # row i of x rounded per group, with its scales and sums spread over the lanes
+        for g in T.serial(groups):
+            k.x_max[i] = T.float32(0)
+            for j in T.serial(group):
+                k.x_max[i] = T.max(k.x_max[i], T.fabs(k.x[i // b, i % b, g * group + j]))
+            inverse: T.let[T.float32] = T.if_then_else(
+                k.x_max[i] > T.float32(0), T.float32(127) / k.x_max[i], T.float32(0)
+            )
+            if bits == 4:
+                for j in T.serial(half):
+                    k.x_even[i, g * half + j] = T.Cast(
+                        "int8", T.nearbyint(k.x[i // b, i % b, g * group + 2 * j] * inverse)
+                    )
+                    k.x_odd[i, g * half + j] = T.Cast(
+                        "int8", T.nearbyint(k.x[i // b, i % b, g * group + 2 * j + 1] * inverse)
+                    )
+            else:
+                for j in T.serial(group):
+                    k.x_even[i, g * group + j] = T.Cast(
+                        "int8", T.nearbyint(k.x[i // b, i % b, g * group + j] * inverse)
+                    )
+            for lane in T.serial(group_lanes):
+                k.x_scale[i, g * group_lanes + lane] = k.x_max[i] / T.float32(127)
+                k.x_sums[i, g * group_lanes + lane] = T.float32(0)
+                for c in T.serial(vectors):
+                    for j in T.serial(4):
+                        k.x_sums[i, g * group_lanes + lane] += rounded_x(k, i, g * per_group + c * span + lane * 4 + j)
+
+    @T.macro
+    def rows_of(k, acc, dots, n, first, b, rows):  # out[first .. first + rows, n]
+        for r in T.unroll(rows):
+            acc[r, T.ramp(0, 1, lanes)] = T.broadcast(T.float32(0), lanes)
+        for s in T.serial(groups // per_vector):  # a vector's groups at a time
+            for r in T.unroll(rows):
+                dots[r, T.ramp(0, 1, lanes)] = T.broadcast(T.int32(0), lanes)
+            for c in T.unroll(vectors):
+                for r in T.unroll(rows):  # each weight vector read once for the rows
+                    dots[r, T.ramp(0, 1, lanes)] = weight_dot(
+                        dots[r, T.ramp(0, 1, lanes)],
+                        k.weight[n, T.ramp(s * width * vectors + c * width, 1, width)],
+                        k,
+                        first + r,
+                        s * width * vectors + c * width,
+                    )
+            for r in T.unroll(rows):
+                acc[r, T.ramp(0, 1, lanes)] += (
+                    T.Cast(lane_type, dots[r, T.ramp(0, 1, lanes)])
+                    - zero_lanes(k, n, s) * k.x_sums[first + r, T.ramp(s * lanes, 1, lanes)]
+                ) * (scale_lanes(k, n, s) * k.x_scale[first + r, T.ramp(s * lanes, 1, lanes)])
+        for r in T.unroll(rows):
+            k.out[(first + r) // b, (first + r) % b, n] = lane_total(k, acc, r, n)
+
+    @T.prim_func(s_tir=True, private=True)
+    def qlinear_int8(x_h: T.handle, w_h: T.handle, s_h: T.handle, z_h: T.handle, b_h: T.handle, out_h: T.handle):
+        T.func_attr(ATTRS)
+        a, b = T.int64(), T.int64()
+        x = T.match_buffer(x_h, (a, b, in_features), "float32")
+        qweight = T.match_buffer(w_h, (out_features, groups, per_group), "uint8")
+        scales = T.match_buffer(s_h, (out_features, groups), "float32")
+        zero_buffer = T.match_buffer(z_h, zero_shape, zero_dtype)
+        bias_buffer = T.match_buffer(b_h, (out_features if bias else 1,), "float32")
+        out = T.match_buffer(out_h, (a, b, out_features), "float32")
+        weight = T.decl_buffer((out_features, groups * per_group), "uint8", data=qweight.data)
+        with T.sblock("root"):
+            T.reads()
+            T.writes()
+            x_even = T.sblock_alloc_buffer((a * b, in_features // 2 if bits == 4 else in_features), "int8")
+            x_odd = T.sblock_alloc_buffer((a * b, in_features // 2), "int8")
+            x_scale = T.sblock_alloc_buffer((a * b, groups * group_lanes), "float32")
+            x_sums = T.sblock_alloc_buffer((a * b, groups * group_lanes), "float32")
+            x_max = T.sblock_alloc_buffer((a * b,), "float32")
+            k = T.meta_var(
+                Operands(x, weight, scales, zero_buffer, bias_buffer, out, x_even, x_odd, x_scale, x_sums, x_max)
+            )
+            if a * b == 1:  # decode: no thread pool for one row
+                round_row(k, 0, b)
+            else:
+                for i in T.parallel(a * b):
+                    round_row(k, i, b)
+            for task in T.parallel(out_features // task_rows):
+                with T.sblock("weight_rows"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((TILE, lanes), "float32", scope="local")
+                    dots = T.sblock_alloc_buffer((TILE, lanes), "int32", scope="local")
+                    for t in T.serial(a * b // TILE):  # a tile's rounded x stays in cache over the weight rows
+                        for row in T.serial(task_rows):
+                            rows_of(k, acc, dots, task * task_rows + row, t * TILE, b, TILE)
+                    for i in T.serial(a * b % TILE):  # the rest (decode's one row) one at a time
+                        for row in T.serial(task_rows):
+                            rows_of(k, acc, dots, task * task_rows + row, a * b // TILE * TILE + i, b, 1)
+
+    return qlinear_int8
