@@ -21,7 +21,7 @@ from tvm.script import tirx as T
 from .int8_dot import VNNI, Int8Dot, dot_u8_s8
 from .paged_kernels import ATTRS
 
-TILE = 8  # activation rows a weight vector is multiplied with while it is in a register
+TILE = 4  # activation rows a weight vector is multiplied with while it is in a register (8 accumulators)
 
 
 def rounds_activations(bits: int, group: int, groups: int, int8_dot: Int8Dot | None) -> bool:
