@@ -21,7 +21,8 @@ def add_perplexity_parser(sub: argparse._SubParsersAction) -> None:
     ppl.add_argument(
         "--decode",
         action="store_true",
-        help="score one token per step, as generation runs (any artifact; e.g. tvm's int8 decode matmuls); slower",
+        help="score one token per step, as generation runs (any artifact; kernels that take another path at one "
+        "row); slower",
     )
     add_pipeline_options(ppl)
     ppl.set_defaults(run=_perplexity)
