@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import tvm
 
 from llmlower.api import compile_artifact
 from llmlower.backends.torch.program_executor import TorchExecutor
@@ -21,6 +22,7 @@ from llmlower.backends.tvm.int8_dot import int8_dot_product
 from llmlower.backends.tvm.lowerings import TvmLoweringError
 from llmlower.backends.tvm.program_executor import program_executor
 from llmlower.backends.tvm.relax_import import to_relax
+from llmlower.backends.tvm.silu_mul_kernel import silu_mul_kernel
 from llmlower.cli import main
 from llmlower.ir import PAGED_LATENT_ATTENTION
 from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout
@@ -106,6 +108,21 @@ def test_the_latent_cache_matches_the_torch_reference(captures):
 def test_quantized_lowering_is_exact(quant, captures):
     """Dequantize-in-matmul computes in float32: the reference's product, int4 zero points of every kind."""
     assert _max_difference(_paged(captures, "llama", quant=quant)) <= TOLERANCE
+
+
+def test_the_silu_mul_kernel_is_silu_of_the_gate_times_up():
+    """Its vector exp against torch's silu, gates far past exp's float32 range included (clamped there)."""
+    width = 64
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 2 * width, generator=gen) * 6
+    x[0, 0, :4] = torch.tensor([-200.0, -90.0, 90.0, 200.0])
+    library = tvm.compile(
+        tvm.IRModule({"main": silu_mul_kernel(width).with_attr("global_symbol", "main")}), target=tvm_target("cpu")
+    )
+    out = tvm.runtime.tensor(np.zeros((3, 2, width), "float32"))
+    library["main"](tvm.runtime.tensor(x.numpy()), out)
+    expected = torch.nn.functional.silu(x[..., :width]) * x[..., width:]
+    np.testing.assert_allclose(out.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(int8_dot_product(tvm_target("cpu")) is None, reason="no int8 dot product on this CPU")

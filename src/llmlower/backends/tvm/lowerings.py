@@ -31,7 +31,7 @@ from ...ir import (
     ROPE,
     SILU_MUL,
 )
-from . import norm_kernel, rope_kernel
+from . import norm_kernel, rope_kernel, silu_mul_kernel
 from .cpu_schedule import dequantize_lanes
 from .paged_kernels import emit_paged_attention, emit_paged_latent_attention
 from .qlinear_kernel import emit_qlinear, nibble_order, takes
@@ -72,6 +72,8 @@ def add_rms_norm(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
 
 def silu_mul(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     (x,) = importer.retrieve_args(node)
+    if importer.target.kind.name == "llvm" and silu_mul_kernel.takes(x):
+        return silu_mul_kernel.emit_silu_mul(importer.block_builder, x)
     halves = _emit(importer, relax.op.split(x, 2, axis=_last(x)))
     gate, up = (_emit(importer, relax.TupleGetItem(halves, i)) for i in range(2))
     return _emit(importer, relax.op.multiply(relax.op.nn.silu(gate), up))
