@@ -58,7 +58,9 @@ def main() -> None:
     parser.add_argument("--shapes", default=SHAPES, help="comma-separated IN x OUT")
     parser.add_argument("--quant", default="q4g32-sym,q4g32-zp4,q4g32,q8")
     parser.add_argument("--rows", default="1,16,128")
-    parser.add_argument("--accuracy-levels", default="0,4", help="the backend's accuracy_level (4: int8 at one row)")
+    parser.add_argument(
+        "--accuracy-levels", default="0,4", help="the backend's accuracy_level (4: grouped matmuls in int8)"
+    )
     add_run_arguments(parser)
     args = parser.parse_args()
     bandwidth = start(args)

@@ -6,9 +6,10 @@ lanes by int8_dot's instruction, and per group
 
 Each thread takes whole weight rows and reads a row's bytes once per TILE activation rows, in the widest vectors the
 CPU has (a 64-byte vector holds four groups of 32 4-bit weights), so that the float arithmetic of the groups runs on
-whole vectors too: the row's scales (and zero points) are spread over the lanes once per row, each x row's scales
-and sums once per call. One row (decode) is bound by memory, many (prompts, many streams) by the int8 instructions;
-converting every weight to float32, the float kernel was bound by those conversions at both."""
+whole vectors too: a vector's weight scales (and zero points) are spread over its lanes by one shuffle, shared by
+the tile's rows, and each x row's scales and sums once per call. One row (decode) is bound by memory, many
+(prompts, many streams) by the int8 instructions; converting every weight to float32, the float kernel was bound
+by those conversions at both."""
 
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ def vector_bytes(per_group: int, groups: int, widest: int) -> int:
         if width <= widest and (per_group % width == 0 or whole_groups):
             return width
     raise ValueError(f"groups of {per_group} bytes: not a multiple of 16")
+
+
+def zero_layout(zeros: str, out_features: int, groups: int) -> tuple[tuple[int, ...], str]:
+    """The shape and dtype of the zero-point operand: `zeros` "none" (a one-element placeholder never read), "float"
+    or "nibbles" (as zero_point reads them)."""
+    if zeros == "nibbles":
+        return (out_features, (groups + 1) // 2), "uint8"
+    return ((out_features, groups) if zeros == "float" else (1,)), "float32"
 
 
 def zero_point(zeros: str, bits: int, zero_buffer: tirx.Buffer, n: tirx.PrimExpr, g: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -86,8 +95,7 @@ def int8_kernel(
     lane_type = f"float32x{lanes}"
     task_rows = next(r for r in (64, 32, 16, 8, 4, 2, 1) if out_features % r == 0)  # weight rows a thread takes
     half = group // 2
-    zero_shape = {"none": (1,), "float": (out_features, groups), "nibbles": (out_features, (groups + 1) // 2)}[zeros]
-    zero_dtype = "uint8" if zeros == "nibbles" else "float32"
+    zero_shape, zero_dtype = zero_layout(zeros, out_features, groups)
 
     def rounded_x(k, i, at):  # the rounded x row i has at weight byte `at` (4-bit: both nibbles'), summed
         if bits == 4:

@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 
 from .int8_dot import Int8Dot
 from .paged_kernels import ATTRS
-from .qlinear_int8 import int8_kernel, rounds_activations, zero_point
+from .qlinear_int8 import int8_kernel, rounds_activations, zero_layout, zero_point
 
 ROWS = 8  # weight rows per task; several activation rows run their dot products side by side (8 accumulators)
 # one activation row: weight rows whose dot products run side by side (2 x 4 accumulators: partial sums and
@@ -76,8 +76,7 @@ def qlinear_kernel(
     steps = per_group // lanes  # vector steps per group
     half = group // 2
     decode_rows = DECODE_ROWS[bits]
-    zero_shape = {"none": (1,), "float": (out_features, groups), "nibbles": (out_features, (groups + 1) // 2)}[zeros]
-    zero_dtype = "uint8" if zeros == "nibbles" else "float32"
+    zero_shape, zero_dtype = zero_layout(zeros, out_features, groups)
 
     def low(byte):  # a byte's 4-bit weight in its low nibble (int8: the byte), as float32
         return T.Cast("float32", byte & T.uint8(15) if bits == 4 else byte)
