@@ -17,8 +17,8 @@ model on the artifact's own pipeline (the chosen experts only), peers from their
 their files hold every expert).
 
     .venv/bin/python benchmarks/shaped_speed.py [--shape llama-1b] [--quants q4mix,q4g32-sym] [--lm-head-bits 4]
-        [--backends onnx] [--llamacpp Q4_0] [--genai] [--vllm] [--new-tokens 64] [--repeats 3] [--threads N]
-        [--json FILE]
+        [--scale-dtypes auto,float16] [--backends onnx] [--llamacpp Q4_0] [--genai] [--vllm] [--new-tokens 64]
+        [--repeats 3] [--threads N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROMPT_TOKENS = (13, 512, 2048)  # the first is the decode's prompt
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_NEW = 16, 100, 128
 OFFLINE = f"offline_{OFFLINE_REQUESTS}_tokens_per_s"  # the 16 requests' figure in a row (vllm_offline.py's name)
+SCALES = {  # --scale-dtypes value -> (build_pipeline options, row name suffix, directory suffix)
+    "auto": ({}, "", ""),
+    "float16": ({"scale_dtype": "float16"}, " f16 scales", "-f16"),
+}
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "asimddp", "i8mm", "sve")
 
 
@@ -249,6 +253,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=cache_dir() / "bench" / "shaped")
     parser.add_argument("--quants", default="q4mix,q4g32-sym", help="llmlower's quant pipelines, comma-separated")
     parser.add_argument("--lm-head-bits", type=int, choices=[4, 8], help="the LM head's bits under each quant")
+    parser.add_argument(
+        "--scale-dtypes", default="auto", help="the quantized weights' scales under each quant: auto, float16 or both"
+    )
     parser.add_argument("--backends", default="onnx", help="llmlower's backends, comma-separated (onnx, tvm)")
     parser.add_argument("--llamacpp", default="Q4_0", help="llama.cpp quant types, comma-separated, or 'none'")
     parser.add_argument("--genai", action="store_true", help="also run ONNX Runtime GenAI's int4 (setup.sh ortgenai)")
@@ -269,16 +276,19 @@ def main() -> None:
     offline = [[2000 + 37 * i + j for j in range(OFFLINE_PROMPT)] for i in range(OFFLINE_REQUESTS)]
     context = max(PROMPT_TOKENS) + args.new_tokens + 1
     read_context = PROMPT_TOKENS[0] + args.new_tokens // 2
-    head = {"lm_head_bits": args.lm_head_bits} if args.lm_head_bits else {}
-    suffix = (f" int{args.lm_head_bits} head", f"-head{args.lm_head_bits}") if head else ("", "")
+    head, row_suffix, directory_suffix = {}, "", ""  # the LM head's option, and what it adds to the names
+    if args.lm_head_bits:
+        head = {"lm_head_bits": args.lm_head_bits}
+        row_suffix, directory_suffix = f" int{args.lm_head_bits} head", f"-head{args.lm_head_bits}"
     builds = {  # row -> (backend, build_pipeline options, directory)
-        f"llmlower {backend} {quant}{suffix[0]}": (
+        f"llmlower {backend} {quant}{row_suffix}{SCALES[scales][1]}": (
             backend,
-            {"quant": quant, **head},
-            workdir / f"{backend}-{quant}{suffix[1]}",
+            {"quant": quant, **head, **SCALES[scales][0]},
+            workdir / f"{backend}-{quant}{directory_suffix}{SCALES[scales][2]}",
         )
         for backend in args.backends.split(",")
         for quant in args.quants.split(",")
+        for scales in args.scale_dtypes.split(",")
     }
     for backend, options, directory in builds.values():  # first, alone in memory: compiling holds float32 weights
         ensure_artifact(str(checkpoint), backend, options, directory)

@@ -3,7 +3,7 @@ pipeline, timed per call for each row count; for one row, the weight's bytes ove
 bandwidth (read + written). The default shapes are SmolLM2's: q/k/v fused (576 -> 960), gate/up fused (576 ->
 3072), down (1536 -> 576) and the LM head (576 -> 49152).
 
-    .venv/bin/python benchmarks/tvm_qlinear_kernel.py [--shapes 576x3072,1536x576] [--quant q4g32-sym,q4g32-zp4]
+    .venv/bin/python benchmarks/tvm_qlinear_kernel.py [--shapes 576x3072,1536x576] [--quant q4g32-sym,q4g32-sym-f16]
         [--rows 1,16,128] [--accuracy-levels 0,4] [--repeats 20] [--threads 2]
 """
 
@@ -34,13 +34,14 @@ class Linear(torch.nn.Module):
 
 
 def packed(in_features: int, out_features: int, quant: str) -> tuple[list[torch.Tensor], int]:
-    """A seeded random weight [out, in] quantized by the scheme: its tensors and bits."""
+    """A seeded random weight [out, in] quantized by the scheme (a name ending in -f16: float16 scales): its tensors
+    and bits."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen) * 0.02
-    options = parse_quant(quant)
+    options = parse_quant(quant.removesuffix("-f16"))
     if options is None or "overrides" in options:
-        raise SystemExit(f"--quant {quant}: this benchmark takes one scheme (q8, q4g32, q4g32-sym, ...)")
-    scheme = QuantScheme(**options)
+        raise SystemExit(f"--quant {quant}: this benchmark takes one scheme (q8, q4g32, q4g32-sym-f16, ...)")
+    scheme = QuantScheme(**options, scale_dtype="float16" if quant.endswith("-f16") else None)
     q = quantize(weight, scheme)
     return [t for t in (q.qweight, q.scales, q.zeros) if t is not None], scheme.bits
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -72,6 +73,19 @@ def test_quantized_experts_are_exact_in_float32(arch, quant, captures):
     assert program.history[-1].stats["experts_quantized"] == 2
     kernels = [n.op_type for n in to_onnx(program, accuracy_level=0).graph.node if n.op_type in ("MoE", "QMoE")]
     assert kernels == ["QMoE" if quant == "q4g32-zp4" else "MoE"] * 2
+    assert _max_difference(program, accuracy_level=0) <= 1e-4
+
+
+@pytest.mark.parametrize(("arch", "quant"), [("llama", "q4mix"), ("llama", "q4g32"), ("mixtral", "q4g32-zp4")])
+def test_float16_scales_are_widened_for_onnx_runtime(arch, quant, captures):
+    """Scales and float zero points kept in float16 (--scale-dtype float16): MatMulNBits and QMoE take them in the
+    activations' type, so the export widens them (no float16 tensor left in the model) and the logits are the
+    reference's, which computes with the same float16 values."""
+    program = run_pipeline(captures(arch), calibrated(build_pipeline(quant=quant, scale_dtype="float16")))
+    model = to_onnx(program, accuracy_level=0)
+    kernels = {n.op_type for n in model.graph.node} & {"MatMulNBits", "QMoE"}
+    assert kernels == ({"MatMulNBits", "QMoE"} if arch == "mixtral" else {"MatMulNBits"})
+    assert onnx.TensorProto.FLOAT16 not in {tensor.data_type for tensor in model.graph.initializer}
     assert _max_difference(program, accuracy_level=0) <= 1e-4
 
 

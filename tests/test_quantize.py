@@ -213,3 +213,43 @@ def test_moe_experts_are_quantized_under_their_transformers_names(tiny_checkpoin
     kept = run_pipeline(copy.deepcopy(captured), build_pipeline(quant="q8", keep=["experts.down_proj"]))
     assert kept.history[-1].stats["experts_kept"] == 2
     assert not _targets(kept, QMOE_EXPERTS.overload) and len(_targets(kept, MOE_EXPERTS.overload)) == 2
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_float16_scales_keep_16_bits_and_the_nearest_codes_for_them(scheme):
+    """scale_dtype float16: scales (and float zero points) stored in 16 bits, 2 bytes a group less each; the codes
+    are rounded against each scale as stored, so the error stays within half a step (plus a float zero point's own
+    float16 rounding), or a step where 4-bit grids clamp: symmetric (-8 s .. 7 s) and with 4-bit zero points (the
+    rounded zero point shifts the group by up to half a step)."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 256, generator=gen) * 0.05
+    narrow = QuantScheme(scheme.bits, scheme.group, scheme.symmetric, scheme.packed_zeros, "float16")
+    assert narrow.name == f"{scheme.name}-f16"
+    wide, packed = quantize(weight, scheme), quantize(weight, narrow)
+    assert packed.scales.dtype == torch.float16 and packed.qweight.shape == wide.qweight.shape
+    float_zeros = packed.zeros is not None and packed.zeros.dtype != torch.uint8
+    assert not float_zeros or packed.zeros.dtype == torch.float16
+    assert wide.nbytes() - packed.nbytes() == 2 * packed.scales.numel() * (1 + float_zeros)
+    restored = dequantize(packed.qweight, packed.scales, packed.zeros, scheme.bits, 256)
+    step = packed.scales.float().abs().repeat_interleave(scheme.group or 256, dim=1)
+    clamped = scheme.bits == 4 and (scheme.symmetric or scheme.packed_zeros)
+    bound = 1 if clamped else 0.5 + (15 * 2.0**-11 if float_zeros else 1e-6)
+    assert ((restored - weight).abs() <= step * bound).all()
+
+
+def test_float16_scales_reach_every_linear_but_not_the_embedding(gpt2_program):
+    """The pipeline option reaches the weights, the LM head and overrides; a table tied to the head keeps its own
+    scales in the model's dtype (qembedding returns rows in its scales' dtype), so it is stored apart from the head
+    under another name; unknown dtypes and the option without --quant are refused by name."""
+    pipeline = build_pipeline(quant="q4mix", lm_head_bits=4, quantize_embedding=True, scale_dtype="float16")
+    program = run_pipeline(copy.deepcopy(gpt2_program), pipeline[-1:], verify=True)
+    assert program.history[-1].stats["lm_head"] == "q4g32-f16"
+    gm = program.graph_module
+    assert all(fetch_attr(gm, n.args[2].target).dtype == torch.float16 for n in _targets(program, QLINEAR.overload))
+    for lookup in _targets(program, QEMBEDDING.overload):
+        assert fetch_attr(gm, lookup.args[2].target).dtype == torch.float32
+        assert lookup.meta["val"].dtype == torch.float32
+    with pytest.raises(PassError, match="quantize_weights: scale_dtype must be None or 'float16', got 'bfloat16'"):
+        run_pipeline(copy.deepcopy(gpt2_program), [("quantize_weights", {"bits": 4, "scale_dtype": "bfloat16"})])
+    with pytest.raises(PassError, match="--scale-dtype need --quant"):
+        build_pipeline(scale_dtype="float16")

@@ -110,6 +110,16 @@ def test_quantized_lowering_is_exact(quant, captures):
     assert _max_difference(_paged(captures, "llama", quant=quant)) <= TOLERANCE
 
 
+@pytest.mark.parametrize(
+    ("arch", "quant"), [("llama", "q4g32"), ("llama", "q4mix"), ("llama", "q4g128-sym"), ("mixtral", "q4g32-zp4")]
+)
+def test_float16_scales_are_widened_where_they_are_read(arch, quant, captures):
+    """Scales and float zero points kept in float16 beside float32 activations: the CPU kernel reads them so, the
+    fallback and the experts' reductions dequantize in float32; the reference's logits."""
+    program = _paged(captures, arch, quant=quant, scale_dtype="float16")
+    assert _max_difference(program) <= TOLERANCE
+
+
 def test_the_silu_mul_kernel_is_silu_of_the_gate_times_up():
     """Its vector exp against torch's silu, gates far past exp's float32 range included (clamped there)."""
     width = 64
@@ -126,11 +136,13 @@ def test_the_silu_mul_kernel_is_silu_of_the_gate_times_up():
 
 
 @pytest.mark.skipif(int8_dot_product(tvm_target("cpu")) is None, reason="no int8 dot product on this CPU")
-@pytest.mark.parametrize("quant", ["q4g32", "q4mix"])
-def test_accuracy_level_4_rounds_the_activations(quant, captures):
+@pytest.mark.parametrize(("quant", "scale_dtype"), [("q4g32", None), ("q4mix", None), ("q4g32", "float16")])
+def test_accuracy_level_4_rounds_the_activations(quant, scale_dtype, captures):
     """Every step's grouped matmuls in int8 (prompts and decode rows): off the reference by the rounding of x, within
-    the tolerance compile --verify gives rounded activations (0.1 of the largest logit, at least 1)."""
-    difference = _max_difference(_paged(captures, "llama", quant=quant), accuracy_level=4)
+    the tolerance compile --verify gives rounded activations (0.1 of the largest logit, at least 1); float16 scales
+    read by the int8 kernel too."""
+    program = _paged(captures, "llama", quant=quant, scale_dtype=scale_dtype)
+    difference = _max_difference(program, accuracy_level=4)
     assert TOLERANCE < difference <= 0.1
 
 

@@ -43,9 +43,11 @@ def _instructions() -> list[Int8Dot]:
 
 
 @functools.cache
-def _library(dot: Int8Dot | None, out_features: int, in_features: int, group: int, bits: int, zeros: str):
+def _library(
+    dot: Int8Dot | None, out_features: int, in_features: int, group: int, bits: int, zeros: str, scale_dtype: str
+):
     """The kernel built with `dot` (None: the float kernel) for this CPU."""
-    kernel = qlinear_kernel(out_features, in_features, group, bits, zeros, True, 16, dot)
+    kernel = qlinear_kernel(out_features, in_features, group, bits, zeros, True, 16, dot, scale_dtype)
     return tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=tvm_target("cpu"))
 
 
@@ -56,7 +58,8 @@ def _run_kernel(
     qweight = tensors[0]
     out_features, groups, per_group = qweight.shape
     in_features = groups * per_group * 8 // bits
-    library = _library(dot, out_features, in_features, in_features // groups, bits, zeros)
+    scale_dtype = str(tensors[1].dtype)
+    library = _library(dot, out_features, in_features, in_features // groups, bits, zeros, scale_dtype)
     placeholder = np.zeros(1, "float32")
     args = [x[None], *tensors[:2], tensors[2] if len(tensors) == 3 else placeholder, bias]
     out = tvm.runtime.tensor(np.zeros((1, x.shape[0], out_features), "float32"))
@@ -144,6 +147,26 @@ def test_what_the_int8_path_does_not_take_stays_in_float32(scheme, kinds):
             np.testing.assert_array_equal(
                 _run_kernel(dot, x, tensors, scheme.bits, "none", bias),
                 _run_kernel(None, x, tensors, scheme.bits, "none", bias),
+            )
+
+
+@x86
+@pytest.mark.parametrize("quant", ["q4g32-sym", "q4g32", "q8"])
+def test_float16_scales_give_what_the_same_scales_in_float32_give(quant):
+    """Scales (and float zero points) read as float16 and widened in the kernel: the float32 kernel's results on the
+    same values, bit for bit, on the float kernel and the int8 one (one row and a tile)."""
+    scheme, zeros = SCHEMES[quant]
+    gen = torch.Generator().manual_seed(4)
+    q = quantize(torch.randn(64, 576, generator=gen) * 0.05, QuantScheme(**{**vars(scheme), "scale_dtype": "float16"}))
+    narrow = [t.numpy() for t in (q.qweight, q.scales, q.zeros) if t is not None]
+    wide = [narrow[0], *(t.astype("float32") for t in narrow[1:])]
+    bias = torch.randn(64, generator=gen).numpy()
+    x = torch.randn(5, 576, generator=gen).numpy()
+    for dot in [None, *_instructions()[-1:]]:  # the float kernel, and this CPU's widest int8 dot product
+        for rows in (x[:1], x):
+            np.testing.assert_array_equal(
+                _run_kernel(dot, rows, narrow, scheme.bits, zeros, bias),
+                _run_kernel(dot, rows, wide, scheme.bits, zeros, bias),
             )
 
 

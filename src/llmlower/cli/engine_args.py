@@ -29,6 +29,7 @@ def pass_pipeline(args: argparse.Namespace, all_logits: bool = False, default_qu
         lm_head_bits=args.lm_head_bits,
         awq=args.awq,
         gptq=args.gptq,
+        scale_dtype=None if args.scale_dtype == "auto" else args.scale_dtype,
     )
 
 
@@ -47,6 +48,7 @@ def check_artifact_options(args: argparse.Namespace) -> None:
         "--lm-head-bits": args.lm_head_bits,
         "--awq": args.awq,
         "--gptq": args.gptq,
+        "--scale-dtype": args.scale_dtype != "auto",
         "--dtype": args.dtype,
         "--kv-cache-dtype": args.kv_cache_dtype != "auto",
         "--verify": getattr(args, "verify", False),

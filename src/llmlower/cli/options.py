@@ -47,6 +47,14 @@ def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant-embedding", action="store_true", help="also quantize the embedding table")
     parser.add_argument("--lm-head-bits", type=int, choices=[4, 8], help="LM head under --quant (default 8)")
     parser.add_argument(
+        "--scale-dtype",
+        choices=["auto", "float16"],
+        default="auto",
+        help="the quantized weights' scales: auto, the model's dtype; float16, 16 bits as llama.cpp keeps them "
+        "(a 4-bit weight in groups of 32: 4.5 bits instead of 5 beside float32; the tvm backend reads them so, "
+        "onnx widens them to the activations' type in the exported model)",
+    )
+    parser.add_argument(
         "--awq",
         action="store_true",
         help="activation-aware scales before int4 --quant (the awq pass: calibrated on a built-in text)",

@@ -3,7 +3,7 @@
 int4 (group 32/64/128) is stored exactly as ONNX Runtime's MatMulNBits reads it, so the ONNX backend uses
 the tensors without repacking; a weight [N, K] becomes
   qweight uint8 [N, blocks, group/2]  two 4-bit values per byte, the even element in the low nibble;
-  scales        [N, blocks]            in the model's dtype;
+  scales        [N, blocks]            in the model's dtype, or float16 (the scheme's scale_dtype);
   zeros                                zero points: None when symmetric (= 8); asymmetric with
                 [N, blocks]            float zero points in the scales' dtype (MatMulNBits takes these), or
           uint8 [N, ceil(blocks/2)]    packed 4-bit integer zero points (the "zp4" variant);
@@ -22,6 +22,10 @@ int8 is grouped and symmetric in the same layout, one value per byte: qweight ui
 scales [N, blocks], scale = max|w| / 127, q = clamp(round(w / scale), -127, 127) + 128 (llama.cpp's Q8_0
 for group 32, which a Q8_0 tensor is reproduced exactly by). Group 0 means one group per output channel
 (blocks = 1, group = K): the layout integer matrix-multiply kernels take, the scale applied after the dot product.
+scale_dtype float16 keeps scales (and float zero points) in 16 bits, as llama.cpp's formats do: a 4-bit weight in
+groups of 32 then takes 4.5 bits instead of 5 beside float32 scales. Each scale is rounded to float16 before the
+weights are rounded against it, so the stored codes are the nearest for the scale kept (a float zero point is
+rounded to float16 after: at most 15 * 2^-11 of a step).
 """
 
 from __future__ import annotations
@@ -31,17 +35,20 @@ from dataclasses import dataclass
 import torch
 
 GROUP_SIZES = (16, 32, 64, 128, 256)  # the group sizes of ONNX Runtime's MatMulNBits and QMoE (block_size)
+SCALE_DTYPES = (None, "float16")
 
 
 @dataclass(frozen=True)
 class QuantScheme:
     """bits 4 with a group size (symmetric, or asymmetric with float or packed 4-bit zero points), or
-    bits 8 with a group size or 0, one group per output channel (symmetric)."""
+    bits 8 with a group size or 0, one group per output channel (symmetric); scale_dtype None keeps the scales in
+    the weight's dtype, "float16" in 16 bits."""
 
     bits: int
     group: int = 32
     symmetric: bool = True
     packed_zeros: bool = False
+    scale_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -56,12 +63,19 @@ class QuantScheme:
             raise ValueError("int8 is symmetric")
         if self.packed_zeros and self.symmetric:
             raise ValueError("packed zero points are for asymmetric int4")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be None or 'float16', got {self.scale_dtype!r}")
 
     @property
     def name(self) -> str:
+        suffix = "-f16" if self.scale_dtype == "float16" else ""
         if self.bits == 8:
-            return {32: "q8", 0: "q8c"}.get(self.group, f"q8g{self.group}")
-        return f"q4g{self.group}" + ("-sym" if self.symmetric else "-zp4" if self.packed_zeros else "")
+            return {32: "q8", 0: "q8c"}.get(self.group, f"q8g{self.group}") + suffix
+        return f"q4g{self.group}" + ("-sym" if self.symmetric else "-zp4" if self.packed_zeros else "") + suffix
+
+    def stored_scales(self, scales: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+        """float32 scales as they will be stored: in scale_dtype, else the weight's dtype."""
+        return scales.to(torch.float16 if self.scale_dtype == "float16" else weight_dtype)
 
 
 @dataclass(frozen=True)
@@ -97,29 +111,33 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
     blocks = -(-in_features // group)
     w = torch.nn.functional.pad(weight.float(), (0, blocks * group - in_features))
     w = w.reshape(*rows, blocks, group)
+
+    def stored(values: torch.Tensor) -> torch.Tensor:  # float32 scales as float16 ones will hold them
+        return values.half().float() if scheme.scale_dtype == "float16" else values
+
     if scheme.symmetric:
         top = 2 ** (scheme.bits - 1) - 1  # 7 or 127
         if scheme.bits == 4:  # the group's largest |w|, sign kept, at -8: all 16 steps in use
             scales = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))[..., 0] / -8
         else:
             scales = w.abs().amax(dim=-1) / top
-        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+        scales = stored(torch.where(scales == 0, torch.ones_like(scales), scales))
         q = torch.clamp(torch.round(w / scales[..., None]), -top - (scheme.bits == 4), top) + top + 1
         zero = None
     elif not scheme.packed_zeros:
         lo = w.amin(dim=-1)
         scales = (w.amax(dim=-1) - lo) / 15
-        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+        scales = stored(torch.where(scales == 0, torch.ones_like(scales), scales))
         q = torch.clamp(torch.round((w - lo[..., None]) / scales[..., None]), 0, 15)
         zero = -lo / scales
     else:
         lo = torch.clamp(w.amin(dim=-1), max=0)
         hi = torch.clamp(w.amax(dim=-1), min=0)
         scales = (hi - lo) / 15
-        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+        scales = stored(torch.where(scales == 0, torch.ones_like(scales), scales))
         zero = torch.clamp(torch.round(-lo / scales), 0, 15)
         q = torch.clamp(torch.round(w / scales[..., None]) + zero[..., None], 0, 15)
-    return pack(q, scales.to(weight.dtype), zero, scheme, in_features)
+    return pack(q, scheme.stored_scales(scales, weight.dtype), zero, scheme, in_features)
 
 
 def pack(

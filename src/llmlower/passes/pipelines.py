@@ -78,12 +78,13 @@ def build_pipeline(
     lm_head_bits: int | None = None,
     awq: bool = False,
     gptq: bool = False,
+    scale_dtype: str | None = None,
 ) -> list[PassSpec]:
     """The pass list for `passes` (comma-separated names, default DEFAULT_PIPELINE) and the quant options
     (`lm_head_bits`: 8 or 4 for the LM head, default 8; `awq`: the awq pass before quantize_weights, with the same
     options; per-channel int8 weights take the smoothquant pass there; `gptq`: the gptq pass in quantize_weights'
-    place). `all_logits` leaves out last_token_logits
-    (perplexity scores every position)."""
+    place; `scale_dtype`: "float16" keeps the quantized weights' scales in 16 bits). `all_logits` leaves out
+    last_token_logits (perplexity scores every position)."""
     names = list(DEFAULT_PIPELINE) if passes is None else passes
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
@@ -92,8 +93,8 @@ def build_pipeline(
             raise PassError(f"--passes: unknown pass {name!r} (registered: {', '.join(PASSES)})")
     pipeline: list[PassSpec] = [n for n in names if not (all_logits and n == "last_token_logits")]
     options = parse_quant(quant)
-    if options is None and (keep or quantize_embedding or lm_head_bits or awq or gptq):
-        raise PassError("--keep, --quant-embedding, --lm-head-bits, --awq and --gptq need --quant")
+    if options is None and (keep or quantize_embedding or lm_head_bits or awq or gptq or scale_dtype):
+        raise PassError("--keep, --quant-embedding, --lm-head-bits, --awq, --gptq and --scale-dtype need --quant")
     if options is not None:
         options.update(
             keep_lm_head="lm_head" in keep,
@@ -104,6 +105,8 @@ def build_pipeline(
             options["lm_head_bits"] = lm_head_bits
             if lm_head_bits == 4:  # an int4 head takes the weights' group (32 beside per-channel int8)
                 options["lm_head_group"] = options["group"] or 32
+        if scale_dtype is not None:
+            options["scale_dtype"] = scale_dtype
         if awq:
             pipeline.append(("awq", {"quant": dict(options)}))
         if smooths(quant_plan("quantize_weights", options)):

@@ -13,7 +13,7 @@ embedding and LM head) is quantized once and shared.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -92,9 +92,13 @@ def as_linear(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, Any, b
     return None
 
 
-def _scheme(bits: int, group: int = 32, symmetric: bool = False, packed_zeros: bool = False) -> QuantScheme:
+def _scheme(
+    bits: int, group: int = 32, symmetric: bool = False, packed_zeros: bool = False, scale_dtype: str | None = None
+) -> QuantScheme:
     """int8 ignores the zero-point options (it is symmetric)."""
-    return QuantScheme(bits, group, symmetric, packed_zeros) if bits == 4 else QuantScheme(bits, group)
+    if bits == 8:
+        return QuantScheme(bits, group, scale_dtype=scale_dtype)
+    return QuantScheme(bits, group, symmetric, packed_zeros, scale_dtype)
 
 
 def _override(target: str, special: list[tuple[str, QuantScheme]], default: QuantScheme) -> QuantScheme:
@@ -125,13 +129,16 @@ class QuantPlan:
         keep: Sequence[str] = (),
         overrides: Sequence[tuple[str, dict[str, Any]]] = (),
         quantize_embedding: bool = False,
+        scale_dtype: str | None = None,
     ) -> QuantPlan:
         """quantize_weights' options (`lm_head_group`: the LM head's group, default the weights'; 0 with int8:
-        per channel); raises ValueError or TypeError for options no scheme has."""
+        per channel; `scale_dtype`: every scheme's, overrides' too); raises ValueError or TypeError for options no
+        scheme has."""
         head_group = group if lm_head_group is None else lm_head_group
-        head = None if keep_lm_head else _scheme(lm_head_bits, head_group, symmetric, packed_zeros)
-        special = [(name, _scheme(**options)) for name, options in overrides]
-        return cls(_scheme(bits, group, symmetric, packed_zeros), head, special, tuple(keep), quantize_embedding)
+        head = None if keep_lm_head else _scheme(lm_head_bits, head_group, symmetric, packed_zeros, scale_dtype)
+        special = [(name, _scheme(**{"scale_dtype": scale_dtype, **options})) for name, options in overrides]
+        scheme = _scheme(bits, group, symmetric, packed_zeros, scale_dtype)
+        return cls(scheme, head, special, tuple(keep), quantize_embedding)
 
     def scheme_for(self, target: str) -> QuantScheme | None:
         """A linear's scheme by its weight's name (not the LM head's); None where `keep` leaves it float."""
@@ -201,7 +208,7 @@ def linear_schemes(program: Program, plan: QuantPlan) -> dict[torch.fx.Node, Qua
 
 def quantize_weights(program: Program, **options: Any) -> tuple[Program, dict[str, Any]]:
     """`options`: QuantPlan.of's (bits, group, symmetric, packed_zeros, keep_lm_head, lm_head_bits, keep,
-    overrides, quantize_embedding)."""
+    overrides, quantize_embedding, scale_dtype)."""
     return program, replace_weights(program, quant_plan("quantize_weights", options))
 
 
@@ -231,7 +238,9 @@ def replace_weights(
             continue
         table = fetch_attr(gm, node.args[0].target)
         tied = head_weight is not None and plan.head is not None and table.data_ptr() == head_weight.data_ptr()
-        node_scheme = plan.head if tied else scheme  # a table tied to the head shares its quantized form
+        # a table tied to the head shares its quantized form, unless the head's scales are narrower than the
+        # table's dtype: qembedding returns rows in its scales' dtype (a lookup reads one row: nothing to save)
+        node_scheme = replace(plan.head if tied else scheme, scale_dtype=None)
         packed, names = store.get(node.args[0].target, node_scheme)
         qweight, scales, zeros = store.attrs(node, names)
         _swap(
@@ -275,7 +284,9 @@ register_pass(
             "(named <experts module>.gate_up_proj and .down_proj for keep and overrides). "
             "Options: bits, group (int8: 0 is per channel), symmetric, packed_zeros, lm_head_bits (8 by default: "
             "the LM head in int8 under int4), lm_head_group (default: group), keep_lm_head, "
-            "quantize_embedding (llmlower::qembedding), keep (weight-name substrings left in full precision), "
+            "quantize_embedding (llmlower::qembedding, its scales in the table's dtype), scale_dtype (float16: "
+            "scales and float zero points in 16 bits, as llama.cpp keeps them; default the weights' dtype), "
+            "keep (weight-name substrings left in full precision), "
             "overrides ([name substring, {bits, group, symmetric, packed_zeros}] pairs: the first whose name is in "
             "a linear's weight name sets its scheme; not the LM head's). "
             "A tied embedding/LM head weight is quantized once."

@@ -26,7 +26,7 @@ from ...ir import (
     SILU_MUL,
 )
 from . import paged_lowerings
-from .moe_lowerings import moe_experts, qmoe_lowering
+from .moe_lowerings import like_activations, moe_experts, qmoe_lowering
 from .paged_lowerings import attention_extras
 from .schemas import ensure_schema
 
@@ -328,6 +328,7 @@ def _qlinear(x, qweight, scales, zeros, bias, bits: int, in_features: int, accur
     (8 - z) s times each group's sum of x: a [.., blocks] x [blocks, N] matmul. int8 with one group per row
     (per channel) takes the integer GEMM instead (_per_channel_int8)."""
     out_features, blocks = qweight.shape[0], qweight.shape[1]
+    scales, zeros = like_activations(scales, x), like_activations(zeros, x)
     if bits == 8 and blocks == 1 and qweight.shape[2] == in_features:  # one unpadded group per row
         y = _per_channel_int8(x, qweight, scales, in_features, accuracy_level)
         return y if bias is None else op.Add(y, bias)

@@ -86,6 +86,14 @@ def _nibbles(packed):
     return op.Reshape(op.Concat(low, high, axis=-1), op.Constant(value_ints=[*packed.shape[:-1], -1]))
 
 
+def like_activations(value, x):
+    """A quantized weight's float scales or zero points in x's type (MatMulNBits and QMoE take them so): as they
+    are, or widened (float16 scales beside float32 activations; a Cast of a constant, folded when exporting)."""
+    if value is None or value.dtype in (x.dtype, onnxscript.ir.DataType.UINT8):
+        return value
+    return op.CastLike(value, x)
+
+
 def _zero_points(packed, blocks: int):
     """Packed 4-bit zero points [E, N, ceil(blocks / 2)] -> uint8 [E, N, blocks]."""
     return op.Slice(_nibbles(packed), [0], [blocks], [2])
@@ -152,6 +160,9 @@ def qmoe_lowering(accuracy_level: int):
         limit: float = 0.0,
     ):
         hidden, intermediate, experts = x.shape[-1], up_qweight.shape[1] // 2, up_qweight.shape[0]
+        up_scales, up_zeros, down_scales, down_zeros = (
+            like_activations(value, x) for value in (up_scales, up_zeros, down_scales, down_zeros)
+        )
         up, down = (up_qweight, up_zeros, up_bits), (down_qweight, down_zeros, down_bits)
         runs = _qmoe_runs(up, down, hidden, intermediate, accuracy_level)
         if runs is None:

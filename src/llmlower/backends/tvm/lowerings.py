@@ -217,12 +217,19 @@ def paged_latent_attention(node: torch.fx.Node, importer: StepImporter) -> relax
 
 
 def _dequantized(
-    qweight: te.Tensor, scales: te.Tensor, zeros: te.Tensor | None, bits: int, nibble_major: bool = False
+    qweight: te.Tensor,
+    scales: te.Tensor,
+    zeros: te.Tensor | None,
+    bits: int,
+    nibble_major: bool = False,
+    dtype: str | None = None,
 ) -> Callable[..., tirx.PrimExpr]:
     """A TE expression builder w(*rows, k) for the float weight of a quantized one (ir/quant.py's layout:
     qweight [..., N, blocks, bytes per block], nibbles low first; zeros None, float [..., N, blocks] or nibbles;
-    `rows` index the leading dims and N: (n,) for a linear, (expert, n) for a MoE layer's experts).
-    `nibble_major` (4 bits): k counts each group's low nibbles, then its high ones (see `nibble_order`)."""
+    `rows` index the leading dims and N: (n,) for a linear, (expert, n) for a MoE layer's experts), in `dtype`
+    (default the scales'). `nibble_major` (4 bits): k counts each group's low nibbles, then its high ones (see
+    `nibble_order`)."""
+    dtype = dtype or scales.dtype
     per_byte = 8 // bits
     group = int(qweight.shape[-1]) * per_byte
     half = group // 2
@@ -238,14 +245,20 @@ def _dequantized(
         rows, k = index[:-1], index[-1]
         block = k // group
         if zeros is None:
-            zero = tirx.const(2 ** (bits - 1), scales.dtype)
+            zero = tirx.const(2 ** (bits - 1), dtype)
         elif zeros.dtype == "uint8":
-            zero = ((zeros[(*rows, block // 2)] >> ((block % 2) * 4).astype("uint8")) & 15).astype(scales.dtype)
+            zero = ((zeros[(*rows, block // 2)] >> ((block % 2) * 4).astype("uint8")) & 15).astype(dtype)
         else:
-            zero = zeros[(*rows, block)]
-        return (quantized(rows, k).astype(scales.dtype) - zero) * scales[(*rows, block)]
+            zero = zeros[(*rows, block)].astype(dtype)
+        return (quantized(rows, k).astype(dtype) - zero) * scales[(*rows, block)].astype(dtype)
 
     return weight
+
+
+def weight_dtype(x: relax.Expr, scales: relax.Expr) -> str:
+    """The dtype a matmul dequantizes its weights in: the scales' where x has it, else float32 (float16 scales
+    beside float32 or bfloat16 activations)."""
+    return scales.ty.dtype if scales.ty.dtype == x.ty.dtype else "float32"
 
 
 def _reduced_in_nibble_order(bits: int, group: int, in_features: int, cpu: bool) -> bool:
@@ -261,11 +274,13 @@ def _in_nibble_order(x: te.Tensor, group: int) -> te.Tensor:
     return te.compute(x.shape, lambda *i: x[(*i[:-1], feature(i[-1]))], name="nibble_order")
 
 
-def _qlinear_te(x: te.Tensor, qweight, scales, zeros, bias, bits: int, in_features: int, cpu: bool) -> te.Tensor:
-    """x @ dequantize(w).T (+ bias), accumulated in float32 whatever x's dtype."""
+def _qlinear_te(
+    x: te.Tensor, qweight, scales, zeros, bias, bits: int, in_features: int, cpu: bool, dtype: str
+) -> te.Tensor:
+    """x @ dequantize(w).T (+ bias), the weights in `dtype`, accumulated in float32 whatever x's dtype."""
     group = int(qweight.shape[2]) * 8 // bits
     nibble_major = _reduced_in_nibble_order(bits, group, in_features, cpu)
-    weight = _dequantized(qweight, scales, zeros, bits, nibble_major)
+    weight = _dequantized(qweight, scales, zeros, bits, nibble_major, dtype)
     w = te.compute((qweight.shape[0], in_features), weight, name="dequantize")
     if nibble_major:
         x = _in_nibble_order(x, group)
@@ -284,7 +299,8 @@ def _qlinear_te(x: te.Tensor, qweight, scales, zeros, bias, bits: int, in_featur
 
 def qlinear(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     x, qweight, scales, zeros, bias, bits, in_features = importer.retrieve_args(node)
-    if importer.target.kind.name == "llvm":
+    cpu, dtype = importer.target.kind.name == "llvm", weight_dtype(x, scales)
+    if cpu:
         group = int(qweight.ty.shape[2]) * 8 // bits
         lanes = dequantize_lanes(importer.target, group)
         if takes(x, scales, bits, group, in_features, int(qweight.ty.shape[0]), lanes):
@@ -297,7 +313,7 @@ def qlinear(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
         rest = list(rest)
         z = rest.pop(0) if zeros is not None else None
         b = rest.pop(0) if bias is not None else None
-        return _qlinear_te(x, qweight, scales, z, b, bits, in_features, importer.target.kind.name == "llvm")
+        return _qlinear_te(x, qweight, scales, z, b, bits, in_features, cpu, dtype)
 
     return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="dequantize_matmul")
 
@@ -343,13 +359,16 @@ def _float_experts(weight: relax.Expr, bias: relax.Expr | None) -> ExpertMatmul:
     return ExpertMatmul([weight], read, bias)
 
 
-def _quantized_experts(qweight, scales, zeros, bias, bits: int, in_features: int, cpu: bool) -> ExpertMatmul:
-    """The experts' packed weights, dequantized where the matmul reads them (as qlinear's, a leading [E])."""
+def _quantized_experts(
+    qweight, scales, zeros, bias, bits: int, in_features: int, cpu: bool, dtype: str
+) -> ExpertMatmul:
+    """The experts' packed weights, dequantized in `dtype` where the matmul reads them (as qlinear's, a leading
+    [E])."""
     group = int(qweight.ty.shape[-1]) * 8 // bits
     nibble_major = _reduced_in_nibble_order(bits, group, in_features, cpu)
 
     def read(qweight: te.Tensor, scales: te.Tensor, zeros: te.Tensor | None = None) -> ExpertWeight:
-        return _dequantized(qweight, scales, zeros, bits, nibble_major)
+        return _dequantized(qweight, scales, zeros, bits, nibble_major, dtype)
 
     tensors = [t for t in (qweight, scales, zeros) if t is not None]
     return ExpertMatmul(tensors, read, bias, group if nibble_major else None)
@@ -458,8 +477,8 @@ def qmoe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     x, ids, weights, up_q, up_s, up_z, b_up, up_bits, down_q, down_s, down_z, b_down, down_bits, *gate = args
     cpu = importer.target.kind.name == "llvm"
     hidden, intermediate = int(x.ty.shape[-1]), int(up_q.ty.shape[1]) // 2
-    up = _quantized_experts(up_q, up_s, up_z, b_up, up_bits, hidden, cpu)
-    down = _quantized_experts(down_q, down_s, down_z, b_down, down_bits, intermediate, cpu)
+    up = _quantized_experts(up_q, up_s, up_z, b_up, up_bits, hidden, cpu, weight_dtype(x, up_s))
+    down = _quantized_experts(down_q, down_s, down_z, b_down, down_bits, intermediate, cpu, weight_dtype(x, down_s))
     return _emit_moe(importer, x, ids, weights, up, down, _gate(gate))
 
 

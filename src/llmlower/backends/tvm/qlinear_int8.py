@@ -6,10 +6,10 @@ lanes by int8_dot's instruction, and per group
 
 Each thread takes whole weight rows and reads a row's bytes once per TILE activation rows, in the widest vectors the
 CPU has (a 64-byte vector holds four groups of 32 4-bit weights), so that the float arithmetic of the groups runs on
-whole vectors too: a vector's weight scales (and zero points) are spread over its lanes by one shuffle, shared by
-the tile's rows, and each x row's scales and sums once per call. One row (decode) is bound by memory, many
-(prompts, many streams) by the int8 instructions; converting every weight to float32, the float kernel was bound
-by those conversions at both."""
+whole vectors too: a vector's weight scales (and float zero points; float32 or float16) are read by one load and
+spread over its lanes by one shuffle, shared by the tile's rows, and each x row's scales and sums once per call. One
+row (decode) is bound by memory, many (prompts, many streams) by the int8 instructions; converting every weight to
+float32, the float kernel was bound by those conversions at both."""
 
 from __future__ import annotations
 
@@ -44,19 +44,19 @@ def vector_bytes(per_group: int, groups: int, widest: int) -> int:
     raise ValueError(f"groups of {per_group} bytes: not a multiple of 16")
 
 
-def zero_layout(zeros: str, out_features: int, groups: int) -> tuple[tuple[int, ...], str]:
-    """The shape and dtype of the zero-point operand: `zeros` "none" (a one-element placeholder never read), "float"
-    or "nibbles" (as zero_point reads them)."""
+def zero_layout(zeros: str, out_features: int, groups: int, scale_dtype: str) -> tuple[tuple[int, ...], str]:
+    """The shape and dtype of the zero-point operand: `zeros` "none" (a one-element float32 placeholder never
+    read), "float" (in the scales' dtype) or "nibbles" (as zero_point reads them)."""
     if zeros == "nibbles":
         return (out_features, (groups + 1) // 2), "uint8"
-    return ((out_features, groups) if zeros == "float" else (1,)), "float32"
+    return ((out_features, groups), scale_dtype) if zeros == "float" else ((1,), "float32")
 
 
 def zero_point(zeros: str, bits: int, zero_buffer: tirx.Buffer, n: tirx.PrimExpr, g: tirx.PrimExpr) -> tirx.PrimExpr:
     """Group g's zero point of weight row n, float32: `zeros` "none" (symmetric: 8, or 128 for 8 bits), "float"
-    (float32 [N, groups]) or "nibbles" (uint8 [N, ceil(groups / 2)], two groups a byte)."""
+    (float32 or float16 [N, groups]) or "nibbles" (uint8 [N, ceil(groups / 2)], two groups a byte)."""
     if zeros == "float":
-        return zero_buffer[n, g]
+        return T.Cast("float32", zero_buffer[n, g])
     if zeros == "nibbles":
         return T.Cast("float32", (zero_buffer[n, g // 2] >> T.Cast("uint8", g % 2 * 4)) & T.uint8(15))
     return T.float32(2 ** (bits - 1))
@@ -80,7 +80,14 @@ class Operands(NamedTuple):
 
 @functools.cache
 def int8_kernel(
-    out_features: int, in_features: int, group: int, bits: int, zeros: str, bias: bool, int8_dot: Int8Dot
+    out_features: int,
+    in_features: int,
+    group: int,
+    bits: int,
+    zeros: str,
+    bias: bool,
+    int8_dot: Int8Dot,
+    scale_dtype: str = "float32",
 ) -> tirx.PrimFunc:
     """out [a, b, N] = x [a, b, K] @ dequantize(w).T (+ bias) with x rounded to int8 per group; the operands as
     qlinear_kernel's."""
@@ -95,7 +102,7 @@ def int8_kernel(
     lane_type = f"float32x{lanes}"
     task_rows = next(r for r in (64, 32, 16, 8, 4, 2, 1) if out_features % r == 0)  # weight rows a thread takes
     half = group // 2
-    zero_shape, zero_dtype = zero_layout(zeros, out_features, groups)
+    zero_shape, zero_dtype = zero_layout(zeros, out_features, groups, scale_dtype)
 
     def rounded_x(k, i, at):  # the rounded x row i has at weight byte `at` (4-bit: both nibbles'), summed
         if bits == 4:
@@ -115,12 +122,18 @@ def int8_kernel(
             return T.broadcast(values[0], lanes)
         return T.Shuffle([T.broadcast(value, group_lanes) for value in values], list(range(lanes)))
 
-    def scale_lanes(k, n, s):  # the weight scales of the groups in vector s of row n, over their lanes
-        return spread([k.scales[n, s * per_vector + q] for q in range(per_vector)])
+    def loaded_lanes(buffer, n, s):  # float values [N, groups] of the groups in vector s of row n: one load, spread
+        if per_vector == 1:
+            return T.broadcast(T.Cast("float32", buffer[n, s]), lanes)
+        loaded = T.Cast(f"float32x{per_vector}", buffer[n, T.ramp(s * per_vector, 1, per_vector)])
+        # TVM's Shuffle yields at most its operands' lanes: the loaded vector repeated, its first copy's lanes taken
+        return T.Shuffle([loaded] * group_lanes, [q for q in range(per_vector) for _ in range(group_lanes)])
 
-    def zero_lanes(k, n, s):  # their zero points
+    def zero_lanes(k, n, s):  # the zero points of the groups in vector s of row n, over their lanes
         if zeros == "none":
             return T.broadcast(zero_point(zeros, bits, k.zeros, n, 0), lanes)
+        if zeros == "float":
+            return loaded_lanes(k.zeros, n, s)
         return spread([zero_point(zeros, bits, k.zeros, n, s * per_vector + q) for q in range(per_vector)])
 
     def lane_total(k, acc, r, n):  # row r's lanes summed, plus the bias
@@ -178,7 +191,7 @@ def int8_kernel(
                 acc[r, T.ramp(0, 1, lanes)] += (
                     T.Cast(lane_type, dots[r, T.ramp(0, 1, lanes)])
                     - zero_lanes(k, n, s) * k.x_sums[first + r, T.ramp(s * lanes, 1, lanes)]
-                ) * (scale_lanes(k, n, s) * k.x_scale[first + r, T.ramp(s * lanes, 1, lanes)])
+                ) * (loaded_lanes(k.scales, n, s) * k.x_scale[first + r, T.ramp(s * lanes, 1, lanes)])
         for r in T.unroll(rows):
             k.out[(first + r) // b, (first + r) % b, n] = lane_total(k, acc, r, n)
 
@@ -188,7 +201,7 @@ def int8_kernel(
         a, b = T.int64(), T.int64()
         x = T.match_buffer(x_h, (a, b, in_features), "float32")
         qweight = T.match_buffer(w_h, (out_features, groups, per_group), "uint8")
-        scales = T.match_buffer(s_h, (out_features, groups), "float32")
+        scales = T.match_buffer(s_h, (out_features, groups), scale_dtype)
         zero_buffer = T.match_buffer(z_h, zero_shape, zero_dtype)
         bias_buffer = T.match_buffer(b_h, (out_features if bias else 1,), "float32")
         out = T.match_buffer(out_h, (a, b, out_features), "float32")

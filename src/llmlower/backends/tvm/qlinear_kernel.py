@@ -42,12 +42,12 @@ def nibble_order(group: int) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
 def takes(
     x: relax.Expr, scales: relax.Expr, bits: int, group: int, in_features: int, out_features: int, lanes: int
 ) -> bool:
-    """Whether the kernel takes this linear: float32 x and scales, whole groups of a multiple of the lanes (4-bit: of
-    twice the lanes, a byte's two nibbles) and whole chunks of weight rows."""
+    """Whether the kernel takes this linear: float32 x, float32 or float16 scales, whole groups of a multiple of the
+    lanes (4-bit: of twice the lanes, a byte's two nibbles) and whole chunks of weight rows."""
     per_step = lanes * (2 if bits == 4 else 1)
     return (
         x.ty.dtype == "float32"
-        and scales.ty.dtype == "float32"
+        and scales.ty.dtype in ("float32", "float16")
         and in_features % group == 0
         and group % per_step == 0
         and out_features % ROWS == 0
@@ -64,19 +64,21 @@ def qlinear_kernel(
     bias: bool,
     lanes: int,
     int8_dot: Int8Dot | None = None,
+    scale_dtype: str = "float32",
 ) -> tirx.PrimFunc:
     """out [a, b, N] = x [a, b, K] @ dequantize(w).T (+ bias): qweight uint8 [N, groups, bytes per group], scales
-    float32 [N, groups], `zeros` "none" (symmetric: 8, or 128 for int8), "float" (float32 [N, groups]) or "nibbles"
-    (uint8 [N, ceil(groups / 2)]); absent zeros and bias are passed as a one-element placeholder the kernel never
-    reads. With `int8_dot`, the matmuls that `rounds_activations` takes are qlinear_int8's int8 kernel."""
+    [N, groups] in `scale_dtype` (float32 or float16), `zeros` "none" (symmetric: 8, or 128 for int8), "float"
+    ([N, groups], the scales' dtype) or "nibbles" (uint8 [N, ceil(groups / 2)]); absent zeros and bias are passed as
+    a one-element placeholder the kernel never reads. With `int8_dot`, the matmuls that `rounds_activations` takes
+    are qlinear_int8's int8 kernel."""
     groups = in_features // group
     if rounds_activations(bits, group, groups, int8_dot):
-        return int8_kernel(out_features, in_features, group, bits, zeros, bias, int8_dot)
+        return int8_kernel(out_features, in_features, group, bits, zeros, bias, int8_dot, scale_dtype)
     per_group = group * bits // 8  # bytes
     steps = per_group // lanes  # vector steps per group
     half = group // 2
     decode_rows = DECODE_ROWS[bits]
-    zero_shape, zero_dtype = zero_layout(zeros, out_features, groups)
+    zero_shape, zero_dtype = zero_layout(zeros, out_features, groups, scale_dtype)
 
     def low(byte):  # a byte's 4-bit weight in its low nibble (int8: the byte), as float32
         return T.Cast("float32", byte & T.uint8(15) if bits == 4 else byte)
@@ -98,7 +100,7 @@ def qlinear_kernel(
         a, b = T.int64(), T.int64()
         x = T.match_buffer(x_h, (a, b, in_features), "float32")
         qweight = T.match_buffer(w_h, (out_features, groups, per_group), "uint8")
-        scales = T.match_buffer(s_h, (out_features, groups), "float32")
+        scales = T.match_buffer(s_h, (out_features, groups), scale_dtype)
         zero_buffer = T.match_buffer(z_h, zero_shape, zero_dtype)
         bias_buffer = T.match_buffer(b_h, (out_features if bias else 1,), "float32")
         out = T.match_buffer(out_h, (a, b, out_features), "float32")
@@ -144,7 +146,7 @@ def qlinear_kernel(
                                                 )
                                 for r in T.unroll(decode_rows):
                                     for lane in T.vectorized(lanes):
-                                        acc[r, lane] += scales[first + r, g] * (
+                                        acc[r, lane] += T.Cast("float32", scales[first + r, g]) * (
                                             part[r, lane]
                                             - zero_point(zeros, bits, zero_buffer, first + r, g) * x_sum[lane]
                                         )
@@ -163,12 +165,12 @@ def qlinear_kernel(
                                         weight[r, g * group + c * lanes + lane] = (
                                             low(qweight[chunk * ROWS + r, g, c * lanes + lane])
                                             - zero_point(zeros, bits, zero_buffer, chunk * ROWS + r, g)
-                                        ) * scales[chunk * ROWS + r, g]
+                                        ) * T.Cast("float32", scales[chunk * ROWS + r, g])
                                         if bits == 4:
                                             weight[r, g * group + half + c * lanes + lane] = (
                                                 high(qweight[chunk * ROWS + r, g, c * lanes + lane])
                                                 - zero_point(zeros, bits, zero_buffer, chunk * ROWS + r, g)
-                                            ) * scales[chunk * ROWS + r, g]
+                                            ) * T.Cast("float32", scales[chunk * ROWS + r, g])
                         for i in T.serial(a * b):
                             for r in T.unroll(ROWS):
                                 for lane in T.vectorized(lanes):
@@ -201,7 +203,9 @@ def emit_qlinear(
     group = int(qweight.ty.shape[2]) * 8 // bits
     zero_kind = "none" if zeros is None else "nibbles" if zeros.ty.dtype == "uint8" else "float"
     placeholder = relax.const(np.zeros(1, "float32"))
-    kernel = qlinear_kernel(out_features, in_features, group, bits, zero_kind, bias is not None, lanes, int8_dot)
+    kernel = qlinear_kernel(
+        out_features, in_features, group, bits, zero_kind, bias is not None, lanes, int8_dot, scales.ty.dtype
+    )
     *lead, _ = x.ty.shape
     rows = x if len(lead) == 2 else bb.emit(relax.op.reshape(x, [1, -1, in_features]))
     args = [rows, qweight, scales, zeros if zeros is not None else placeholder]
