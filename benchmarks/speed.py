@@ -2,8 +2,9 @@
 
 Rows: transformers eager (its own forward with a DynamicCache, fp32), llmlower's torch reference backend
 (fp32), llmlower ONNX artifacts (fp32, q8, q4g32, q4mix, q4mix-a8, ...) and TVM CPU artifacts (fp32, q4g32,
-q4mix, q4g32-sym with an int4 head), compiled once into --artifacts and reused, and the peers of benchmarks/peers/
-(ONNX Runtime GenAI int4, llama.cpp on the example's Q4_1 GGUF) where their setup.sh has been run. Same token
+q4mix, q4g32-sym with an int4 head, with float32 and float16 scales), compiled once into --artifacts and reused,
+and the peers of benchmarks/peers/ (ONNX Runtime GenAI int4, llama.cpp on the example's Q4_1 GGUF) where their
+setup.sh has been run. Same token
 sequences everywhere. Decode: batch 1,
 N new tokens (greedy, EOS ignored), tokens/s as the median over repeats. TTFT: prefill of a 13-token and a
 512-token prompt, median. With --rounds N every row is measured N times, the rows taking turns (each round in the
@@ -68,6 +69,11 @@ ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline op
     "tvm q4g32": ("tvm-q4g32", "tvm", {"quant": "q4g32"}),
     "tvm q4mix": ("tvm-q4mix", "tvm", {"quant": "q4mix"}),
     "tvm q4g32-sym int4 head": ("tvm-q4g32-sym-head4", "tvm", {"quant": "q4g32-sym", "lm_head_bits": 4}),
+    "tvm q4g32-sym int4 head f16 scales": (
+        "tvm-q4g32-sym-head4-f16",
+        "tvm",
+        {"quant": "q4g32-sym", "lm_head_bits": 4, "scale_dtype": "float16"},
+    ),
 }
 PROMPT_TOKENS = (13, 512)
 GENAI = "onnxruntime-genai int4"
