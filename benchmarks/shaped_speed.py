@@ -265,6 +265,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
+    unknown = set(args.scale_dtypes.split(",")) - set(SCALES)
+    if unknown:
+        parser.error(f"--scale-dtypes: {', '.join(sorted(unknown))} not among {', '.join(SCALES)}")
     torch.set_num_threads(args.threads)
     workdir = args.workdir / args.shape
     vocab = json.loads((example_checkpoint() / "config.json").read_text())["vocab_size"]
@@ -281,14 +284,14 @@ def main() -> None:
         head = {"lm_head_bits": args.lm_head_bits}
         row_suffix, directory_suffix = f" int{args.lm_head_bits} head", f"-head{args.lm_head_bits}"
     builds = {  # row -> (backend, build_pipeline options, directory)
-        f"llmlower {backend} {quant}{row_suffix}{SCALES[scales][1]}": (
+        f"llmlower {backend} {quant}{row_suffix}{scales_row}": (
             backend,
-            {"quant": quant, **head, **SCALES[scales][0]},
-            workdir / f"{backend}-{quant}{directory_suffix}{SCALES[scales][2]}",
+            {"quant": quant, **head, **scales_options},
+            workdir / f"{backend}-{quant}{directory_suffix}{scales_directory}",
         )
         for backend in args.backends.split(",")
         for quant in args.quants.split(",")
-        for scales in args.scale_dtypes.split(",")
+        for scales_options, scales_row, scales_directory in (SCALES[s] for s in args.scale_dtypes.split(","))
     }
     for backend, options, directory in builds.values():  # first, alone in memory: compiling holds float32 weights
         ensure_artifact(str(checkpoint), backend, options, directory)

@@ -73,10 +73,6 @@ class QuantScheme:
             return {32: "q8", 0: "q8c"}.get(self.group, f"q8g{self.group}") + suffix
         return f"q4g{self.group}" + ("-sym" if self.symmetric else "-zp4" if self.packed_zeros else "") + suffix
 
-    def stored_scales(self, scales: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
-        """float32 scales as they will be stored: in scale_dtype, else the weight's dtype."""
-        return scales.to(torch.float16 if self.scale_dtype == "float16" else weight_dtype)
-
 
 @dataclass(frozen=True)
 class QuantizedWeight:
@@ -112,8 +108,10 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
     w = torch.nn.functional.pad(weight.float(), (0, blocks * group - in_features))
     w = w.reshape(*rows, blocks, group)
 
+    narrow = scheme.scale_dtype == "float16"
+
     def stored(values: torch.Tensor) -> torch.Tensor:  # float32 scales as float16 ones will hold them
-        return values.half().float() if scheme.scale_dtype == "float16" else values
+        return values.half().float() if narrow else values
 
     if scheme.symmetric:
         top = 2 ** (scheme.bits - 1) - 1  # 7 or 127
@@ -137,7 +135,7 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
         scales = stored(torch.where(scales == 0, torch.ones_like(scales), scales))
         zero = torch.clamp(torch.round(-lo / scales), 0, 15)
         q = torch.clamp(torch.round(w / scales[..., None]) + zero[..., None], 0, 15)
-    return pack(q, scheme.stored_scales(scales, weight.dtype), zero, scheme, in_features)
+    return pack(q, scales.to(torch.float16 if narrow else weight.dtype), zero, scheme, in_features)
 
 
 def pack(
