@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -17,8 +18,9 @@ import tvm
 
 from llmlower.api import compile_artifact
 from llmlower.backends.torch.program_executor import TorchExecutor
-from llmlower.backends.tvm.compile import tvm_target
+from llmlower.backends.tvm.compile import cuda_source, tvm_target
 from llmlower.backends.tvm.int8_dot import int8_dot_product
+from llmlower.backends.tvm.low_batch import LOW_BATCH_BUCKETS, low_batch_dispatch
 from llmlower.backends.tvm.lowerings import TvmLoweringError
 from llmlower.backends.tvm.program_executor import program_executor
 from llmlower.backends.tvm.relax_import import to_relax
@@ -289,8 +291,42 @@ def test_a_cuda_artifact_carries_gpu_code_for_the_asked_arch(arch, quant, tiny_l
     manifest = json.loads((out / "manifest.json").read_text())
     assert (manifest["dtype"], manifest["tvm"]["cuda_arch"]) == ("float16", arch)
     assert manifest["kv_layout"]["kind"] == "paged"
+    assert manifest["entry_points"]["step"]["outputs"][0]["dtype"] == "float32"  # widened on the GPU, not the host
     device_code = manifest["tvm"]["device_code"]
     assert elf_arches((out / device_code["file"]).read_bytes()) == {int(arch[3:])}
+
+
+def _dynamic_rows_module() -> tvm.IRModule:
+    """A float16 matmul over a dynamic number of rows [n, 256] x [512, 256]^T, and an add over the same rows."""
+    rows, depth, columns = tvm.tirx.Var("n", "int64"), tvm.tirx.IntImm("int64", 256), tvm.tirx.IntImm("int64", 512)
+    x = tvm.te.placeholder((rows, depth), "float16", name="x")
+    w = tvm.te.placeholder((columns, depth), "float16", name="w")
+    k = tvm.te.reduce_axis((0, depth), name="k")
+    product = tvm.te.compute(
+        (rows, columns), lambda i, j: tvm.te.sum(x[i, k].astype("float32") * w[j, k].astype("float32"), axis=k)
+    )
+    y = tvm.te.compute((rows, columns), lambda i, j: product[i, j].astype("float16"))
+    z = tvm.te.placeholder((rows, columns), "float16", name="z")
+    doubled = tvm.te.compute((rows, columns), lambda i, j: z[i, j] + z[i, j])
+    return tvm.IRModule({"matmul": tvm.te.create_prim_func([x, w, y]), "add": tvm.te.create_prim_func([z, doubled])})
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="building for cuda needs nvcc (the CUDA toolkit)")
+def test_cuda_matmuls_over_dynamic_rows_take_a_gemv_for_few_rows_and_a_tiled_matmul_for_many():
+    """A decode step's few rows and a prefill's many run the same function: the row count picks, per bucket, a
+    low-batch GEMV or the tiled matmul; a function without a reduction is left to the other rules."""
+    module = _dynamic_rows_module()
+    target = tvm_target("cuda", "sm_90")
+    with target:
+        dispatched = low_batch_dispatch(module)
+    script = dispatched["matmul"].script()
+    limits = [int(m) for m in re.findall(r"tvm_thread_invariant\(n <= T\.int64\((\d+)\)\)", script)]
+    assert limits == [limit for limit, _ in LOW_BATCH_BUCKETS]
+    assert dispatched["matmul"].attrs["tirx.is_scheduled"]
+    assert dispatched["add"].same_as(module["add"])
+    with target:
+        executable = tvm.compile(tvm.IRModule({"matmul": dispatched["matmul"]}), target=target)
+    assert cuda_source(executable).count("__global__") > len(LOW_BATCH_BUCKETS)  # a kernel (or more) per branch
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="building for cuda needs nvcc (the CUDA toolkit)")

@@ -15,11 +15,11 @@ from ...ir.program import Program
 from ...progress import stage
 from ...runtime.artifact import write_artifact
 from ...runtime.weights import tensor_spec
-from ...step_io import LOGITS, KVLayout, pool_names
+from ...step_io import KVLayout, pool_names
 from ..manifest import kv_layout_manifest, program_manifest
 from .compile import accuracy_level as level
 from .compile import compile_module, cpu_manifest, cuda_binary, tvm_target
-from .relax_import import COPY_BLOCKS, COPY_INDICES, STEP, to_relax
+from .relax_import import COPY_BLOCKS, COPY_INDICES, STEP, logits_output, to_relax
 
 LIBRARY, WEIGHTS, DEVICE_CODE = "model.so", "weights.safetensors", "model.fatbin"
 
@@ -61,7 +61,7 @@ def build(
     spec = program.spec
     declared = {t.name: t.to_dict() for t in program.inputs}
     inputs = [declared.get(name, {"name": name}) for name in model.inputs]
-    logits = program.outputs[program.output_names.index(LOGITS)].to_dict()
+    logits = logits_output(program).to_dict()
     pools = [declared[name] for layer in range(spec.num_layers) for name in pool_names(layer)]
     indices = [{"name": name, "dtype": "int32", "shape": ["count"]} for name in COPY_INDICES]
     manifest = {

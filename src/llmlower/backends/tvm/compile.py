@@ -30,6 +30,7 @@ from tvm.support import nvcc
 
 from ...errors import LlmlowerError
 from .cpu_schedule import WeightRowMatmul
+from .low_batch import SimtMatmul, low_batch_dispatch
 
 TARGETS = ("cpu", "cuda")
 CUDA_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
@@ -111,9 +112,8 @@ def tvm_target(target: str, cuda_arch: str | None = None, cpu: str | None = None
 
 def _schedules(target: tvm.target.Target) -> tvm.transform.Pass:
     if target.kind.name == "cuda":
-        # no dlight.gpu.Matmul: its tensor-core path segfaults in TVM 0.27's Tensorize on SmolLM2's float16
-        # matmuls (sm_80, sm_90); those kernels take the GEMV or Fallback schedules instead
         rules = (
+            SimtMatmul(),
             dlight.gpu.GEMV(),
             dlight.gpu.Reduction(),
             dlight.gpu.GeneralReduction(),
@@ -132,6 +132,7 @@ def pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
             FuseTransposeMatmul(),
             *backend.library_dispatch_passes(target),
             *cpu_generic.legalize_passes(target),  # LegalizeOps .. FuseTIR (CUDA's adds a fixed DLight set)
+            *([low_batch_dispatch] if target.kind.name == "cuda" else []),
             _schedules(target),
             *backend.dataflow_lower_passes(target),
             *backend.finalize_passes(target),

@@ -23,7 +23,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from ...ir.program import LOGITS, Program, fetch_attr
+from ...ir.program import LOGITS, Program, TensorSpec, fetch_attr
 from ...spec import ModelSpec
 from ...step_io import BLOCK_TABLES, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout, pool_names
 from .int8_dot import int8_dot_product
@@ -135,12 +135,20 @@ def same_shape(shape: list[tirx.PrimExpr], dims: list) -> bool:
     return all(analyzer.can_prove_equal(a, b) for a, b in zip(shape, dims, strict=True))
 
 
+def logits_output(program: Program) -> TensorSpec:
+    """The step's output: the program's logits in float32 (widened on the device: a host converting float16
+    logits spends longer than the GPU's step)."""
+    return replace(program.outputs[program.output_names.index(LOGITS)], dtype="float32")
+
+
 def step_program(program: Program) -> Program:
-    """A copy of the program that returns only the logits and holds every weight as a Parameter (so
+    """A copy of the program that returns only the logits, in float32, and holds every weight as a Parameter (so
     from_exported_program keeps them all as function parameters instead of baking them in as constants)."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(program.graph_module.graph, {})
     logits = out[program.output_names.index(LOGITS)]
+    if program.outputs[program.output_names.index(LOGITS)].dtype != "float32":
+        logits = graph.call_function(torch.ops.aten._to_copy.default, (logits,), {"dtype": torch.float32})
     graph.output((logits,))
     gm = torch.fx.GraphModule(program.graph_module, graph)
     gm.graph.eliminate_dead_code()
@@ -152,8 +160,7 @@ def step_program(program: Program) -> Program:
             delattr(owner, name)
             owner.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
     gm.recompile()
-    outputs = [program.outputs[program.output_names.index(LOGITS)]]
-    return replace(program, graph_module=gm, outputs=outputs, fresh_meta=False)
+    return replace(program, graph_module=gm, outputs=[logits_output(program)], fresh_meta=False)
 
 
 def check_lowerable(exported: torch.export.ExportedProgram, converters: dict) -> None:
