@@ -1,12 +1,14 @@
 """The GPU check's phases, each run by run.sh as its own bounded process on the lent GPU machine (and their CPU
 parts here): `env` (what the machine has), `agree` (greedy tokens of the tiny Llama: each CUDA artifact against
 its CPU twin and against transformers), `speed NAME` (decode tokens/s of a bundle artifact with random weights
-at batch 1, 16 and 64, with each step's share of the HBM roof) and `summary` (the table of all of them).
+at batch 1, 16 and 64, with each step's share of the HBM roof), `kernels NAME` (where a decode step's time goes:
+each kernel's GPU time, and the step's wall time beside the sum) and `summary` (the table of all of them).
 
 Each phase prints as it goes and writes its result to OUT/phases/PHASE.json; summary reads them (a phase that
 timed out or crashed shows as missing) and writes OUT/device-check.json.
 
-    python3 benchmarks/device_check/check.py --bundle build/device-check/bundle --out DIR env|agree|speed NAME|summary
+    python3 benchmarks/device_check/check.py --bundle build/device-check/bundle --out DIR \
+        env|agree|speed NAME|kernels NAME|summary
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ PROMPTS = ("What is the capital of France?", "Write a haiku about compilers.", "
 AGREE_TOKENS, MUST_AGREE = 32, 8  # greedy tokens compared; a CUDA artifact must match its CPU twin's first 8
 BATCH_SECONDS = 12.0  # a speed run stops timing a batch size after this long, whatever its steps
 WARMUP_STEPS = 2
+KERNEL_BATCHES, KERNEL_STEPS, TOP_KERNELS = (1, 16), 5, 8  # the kernels phase: steps profiled per batch size
 CUDA_EP = "CUDAExecutionProvider"
 
 
@@ -171,26 +175,37 @@ def phase_agree(bundle: Path, plan: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def decode_batch(executor: Any, batch: int, prompt: int, positions: int, vocab: int) -> tuple[float, Callable[[], Any]]:
+    """Prefill `batch` random prompts of `prompt` tokens in one step (block tables for `positions` each): the
+    prefill's seconds, and a function that runs their next decode step and returns its logits."""
+    from llmlower.runtime import StepBatch, sequential_block_tables
+
+    tables = sequential_block_tables(executor, [positions] * batch)
+    ids = np.random.default_rng(batch).integers(0, vocab, (batch, prompt)).tolist()
+    started = time.perf_counter()
+    executor.step(StepBatch(ids, [0] * batch, tables))
+    prefill_s = time.perf_counter() - started
+    past = [prompt]
+
+    def step() -> np.ndarray:
+        logits = executor.step(StepBatch([[5]] * batch, [past[0]] * batch, tables))
+        past[0] += 1
+        return logits
+
+    return prefill_s, step
+
+
 def time_decode(executor: Any, batch: int, prompt: int, steps: int, vocab: int) -> dict[str, float]:
     """Prefill `batch` sequences of `prompt` tokens in one step, then time up to `steps` decode steps (stopping
     after BATCH_SECONDS): seconds per step and tokens/s."""
-    from llmlower.runtime import StepBatch, sequential_block_tables
-
     steps = min(steps, executor.max_context - prompt - WARMUP_STEPS)  # a model of fewer positions: fewer steps
-    rng = np.random.default_rng(batch)
-    tables = sequential_block_tables(executor, [prompt + WARMUP_STEPS + steps] * batch)
-    ids = rng.integers(0, vocab, (batch, prompt)).tolist()
-    started = time.perf_counter()
-    logits = executor.step(StepBatch(ids, [0] * batch, tables))
-    prefill_s = time.perf_counter() - started
-    past = prompt
+    prefill_s, step = decode_batch(executor, batch, prompt, prompt + WARMUP_STEPS + steps, vocab)
     for _ in range(WARMUP_STEPS):
-        executor.step(StepBatch([[5]] * batch, [past] * batch, tables))
-        past += 1
+        logits = step()
     started, done = time.perf_counter(), 0
     while done < steps and time.perf_counter() - started < BATCH_SECONDS:
-        logits = executor.step(StepBatch([[5]] * batch, [past] * batch, tables))
-        past, done = past + 1, done + 1
+        logits = step()
+        done += 1
     elapsed = time.perf_counter() - started
     return {
         "prefill_s": prefill_s,
@@ -201,14 +216,20 @@ def time_decode(executor: Any, batch: int, prompt: int, steps: int, vocab: int) 
     }
 
 
+def build_skipped(name: str, record: dict[str, Any]) -> str | None:
+    """Why a build cannot run here (an ONNX one without the CUDA EP), said aloud; None if it can."""
+    skip = no_cuda_ep() if record["recipe"]["backend"] == "onnx" else None
+    if skip:
+        say(f"{name}: skipped ({skip})")
+    return skip
+
+
 def phase_speed(bundle: Path, plan: dict[str, Any], name: str) -> dict[str, Any]:
     """Decode speed of one artifact with random weights at each batch size, with its share of the HBM roof."""
     from llmlower.runtime import Engine
 
     record = plan["builds"][name]
-    skip = no_cuda_ep() if record["recipe"]["backend"] == "onnx" else None
-    if skip:
-        say(f"{name}: skipped ({skip})")
+    if skip := build_skipped(name, record):
         return {"skipped": skip}
     batches, prompt, steps = plan["batches"], plan["prompt"], plan["steps"]
     started = time.perf_counter()
@@ -235,6 +256,52 @@ def phase_speed(bundle: Path, plan: dict[str, Any], name: str) -> dict[str, Any]
     return result
 
 
+def phase_kernels(bundle: Path, plan: dict[str, Any], name: str) -> dict[str, Any]:
+    """Each kernel's GPU time in a decode step (CUPTI, through torch's profiler: torch is on the GPU machine) at
+    KERNEL_BATCHES, beside the step's wall time: what the gap between them is spent on is the host's."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from llmlower.runtime import Engine
+
+    if skip := build_skipped(name, plan["builds"][name]):
+        return {"skipped": skip}
+    prompt = plan["prompt"]
+    context = prompt + WARMUP_STEPS + 2 * KERNEL_STEPS
+    engine = Engine.load(
+        bundle / "models" / name, weights="random", max_num_seqs=max(KERNEL_BATCHES), max_context=context
+    )
+    if torch.cuda.is_available():
+        torch.cuda.init()  # before the profiler starts, so that CUPTI sees the device
+    result: dict[str, Any] = {}
+    for batch in KERNEL_BATCHES:
+        _, step = decode_batch(engine.executor, batch, prompt, context, engine.spec.vocab_size)
+        for _ in range(WARMUP_STEPS):
+            step()
+        # torch warns that its profiler "clears events at the end of each cycle": there is one cycle here
+        quiet = warnings.catch_warnings(action="ignore", category=UserWarning)
+        with quiet, profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            started = time.perf_counter()
+            for _ in range(KERNEL_STEPS):
+                step()
+            wall_ms = 1e3 * (time.perf_counter() - started) / KERNEL_STEPS
+        events = [e for e in profiler.key_averages() if e.self_device_time_total > 0]
+        kernels = sorted(
+            (
+                {"name": e.key, "ms": e.self_device_time_total / 1e3 / KERNEL_STEPS, "calls": e.count // KERNEL_STEPS}
+                for e in events
+            ),
+            key=lambda k: -k["ms"],
+        )
+        gpu_ms = sum(k["ms"] for k in kernels)
+        result[str(batch)] = {"wall_ms": wall_ms, "gpu_ms": gpu_ms, "kernels": kernels}
+        calls = sum(k["calls"] for k in kernels)
+        say(f"{name} batch {batch}: {wall_ms:.2f} ms/step; kernels and copies: {gpu_ms:.2f} ms, {calls} a step")
+        for k in kernels[:TOP_KERNELS]:
+            say(f"  {k['ms']:7.3f} ms  x{k['calls']:<4d} {k['name'][:100]}")
+    return result
+
+
 def phase_summary(out: Path, plan: dict[str, Any]) -> dict[str, Any]:
     """The table of every phase's results (a missing one timed out or crashed: its output above says why)."""
     phases = {p.stem: json.loads(p.read_text()) for p in sorted((out / "phases").glob("*.json"))}
@@ -251,6 +318,10 @@ def phase_summary(out: Path, plan: dict[str, Any]) -> dict[str, Any]:
                 f"{name:28} B={batch:>3} {t['tokens_per_s']:>9.0f} tok/s {1e3 * t['step_s']:>8.2f} ms/step "
                 f"{t['hbm_roof_pct']:>6.1f}% of HBM roof"
             )
+    for name, kernels in ((p[len("kernels-") :], r) for p, r in phases.items() if p.startswith("kernels-")):
+        for batch, k in kernels.items():
+            if batch.isdigit():
+                say(f"{name:28} B={batch:>3} {k['wall_ms']:>8.2f} ms/step, {k['gpu_ms']:.2f} of them in kernels")
     for key, pair in phases.get("agree", {}).get("pairs", {}).items():
         verdict = "PASS" if pair.get("passed") else pair.get("skipped") or pair.get("error") or "FAIL"
         say(f"agreement {key}: {verdict}")
@@ -261,19 +332,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, required=True, help="the folder prepare.py built")
     parser.add_argument("--out", type=Path, required=True, help="where each phase writes its JSON")
-    parser.add_argument("phase", choices=["env", "agree", "speed", "summary"])
-    parser.add_argument("name", nargs="?", help="speed: the bundle artifact to run")
+    parser.add_argument("phase", choices=["env", "agree", "speed", "kernels", "summary"])
+    parser.add_argument("name", nargs="?", help="speed, kernels: the bundle artifact to run")
     args = parser.parse_args()
     plan = json.loads((args.bundle / "plan.json").read_text())
     phases: dict[str, Callable[[], Any]] = {
         "env": lambda: phase_env(args.bundle, plan),
         "agree": lambda: phase_agree(args.bundle, plan),
         "speed": lambda: phase_speed(args.bundle, plan, args.name),
+        "kernels": lambda: phase_kernels(args.bundle, plan, args.name),
     }
     if args.phase == "summary":
         (args.out / "device-check.json").write_text(json.dumps(phase_summary(args.out, plan), indent=1))
         return
-    name = f"speed-{args.name}" if args.phase == "speed" else args.phase
+    name = f"{args.phase}-{args.name}" if args.name else args.phase
     say(f"== {name} ==")
     started = time.perf_counter()
     try:

@@ -209,6 +209,7 @@ def prepare(bundle: Path, cuda_arch: str, only: set[str] | None = None) -> dict:
         "cuda_arch": cuda_arch,
         "builds": records,
         "speed": [b.name for b in builds if b.role == "speed"],
+        "kernels": [b.name for b in builds if b.role == "speed" and b.model == LLAMA_1B],  # where a step's time goes
         "agreement": {
             "checkpoint": f"models/{TINY}",
             "pairs": [list(p) for p in AGREEMENT_PAIRS if all(n in records for n in p)],

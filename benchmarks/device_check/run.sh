@@ -10,8 +10,9 @@
 #   run(command="bash benchmarks/device_check/run.sh", carry=["build/device-check/bundle"], timeout_s=540)
 # Installs nothing: llmlower is this tree's src/ and TVM's runtime the bundle's site/ (both on PYTHONPATH).
 # Each phase is its own process under a time limit, so a hang or a crash costs only that phase; all of them
-# together stay under 8 minutes. Progress and results are printed and written to $OUT (device-check.txt,
-# device-check.json, phases/*.json).
+# together stay under 8 minutes. Progress and results are printed and written to $OUT: device-check.txt (what
+# was printed) and device-check.json (every phase's result, gathered by summary from phases/*.json, which are
+# then removed: the run tool brings back at most 8 files).
 #
 # On a machine without a GPU it runs too (env reports no CUDA device; agree and speed fail by name), which is
 # how its CPU parts are checked here: BUNDLE=... OUT=... bash benchmarks/device_check/run.sh
@@ -42,8 +43,15 @@ phase() {  # phase SECONDS ARGS...: one check.py phase, killed after SECONDS
 started=$SECONDS
 phase 45 env
 phase 90 agree
-for name in $("$PY" -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))["speed"]))' "$BUNDLE/plan.json"); do
+builds() {  # the plan's builds for a phase
+  "$PY" -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1])).get(sys.argv[2], [])))' "$BUNDLE/plan.json" "$1"
+}
+for name in $(builds speed); do
   phase 75 speed "$name"
 done
+for name in $(builds kernels); do
+  phase 45 kernels "$name"
+done
 phase 20 summary
+[ -f "$OUT/device-check.json" ] && rm -rf "$OUT/phases"
 echo "device check: $((SECONDS - started))s; report in $OUT" | tee -a "$OUT/device-check.txt"
