@@ -1,5 +1,7 @@
 """Artifacts the benchmarks compile once and reuse: compiled again only when the backend, its KV layout, the passes
-or their options differ from what the directory holds (or when asked to)."""
+or their options differ from what the directory holds, when the compiler's source changed since (a stamp beside
+the directory holds its digest: a kernel changed between commits of an editable install keeps the version), or
+when asked to."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 from llmlower.api import compile_artifact
 from llmlower.backends.registry import get_backend
+from llmlower.compile_cache import compiler_source_digest
 from llmlower.passes import build_pipeline, with_kv_layout
 from llmlower.runtime.artifact import FORMAT_VERSION
 
@@ -33,8 +36,11 @@ def ensure_artifact(
     built = [(p["name"], p["options"]) for p in manifest.get("pipeline", [])]
     same = manifest.get("backend") == backend and manifest.get("kv_layout", {}).get("kind") == layout.value
     same = same and manifest.get("format_version") == FORMAT_VERSION
+    stamp = directory.with_name(f"{directory.name}.compiler-source")
+    same = same and stamp.is_file() and stamp.read_text() == compiler_source_digest()
     drafts = sorted(d["layers"] for d in manifest.get("drafts", {}).values())
     if rebuild or not same or built != wanted or drafts != sorted(draft_layers):
         print(f"[benchmarks] compiling {backend} {options or 'fp32'} into {directory}", file=sys.stderr)
         compile_artifact(model, directory, pipeline, backend=backend, draft_layers=list(draft_layers))
+        stamp.write_text(compiler_source_digest())
     return directory

@@ -11,8 +11,9 @@ takes at most 64 MiB of files, so the folder holds
 - plan.json: what to run, and for each speed run the bytes a decode step moves at batch 1, 16 and 64 (the
   roofline cost model on the compiled Program), for its share of the HBM roof.
 
-Artifacts are compiled into build/device-check/ (kept, with their weights; reused while their recipe is the
-same) and copied into the bundle. The bundle plus the tree must stay within carried.BUDGET, checked at the end.
+Artifacts are compiled into build/device-check/ (kept, with their weights; reused while their recipe, the
+compiler's source digest included, is the same) and copied into the bundle. The bundle plus the tree must stay
+within carried.BUDGET, checked at the end.
 
     .venv/bin/python benchmarks/device_check/prepare.py [--cuda-arch sm_90] [--only NAME,...]
 """
@@ -32,6 +33,7 @@ from carried import BUDGET, carried_size
 from runtime_site import build_site
 
 from llmlower.api import compile_artifact, compile_program
+from llmlower.compile_cache import compiler_source_digest
 from llmlower.passes import build_pipeline
 from llmlower.roofline.cost import step_cost
 from llmlower.roofline.shapes import decode_step
@@ -149,7 +151,12 @@ def compile_build(build: Build, cuda_arch: str) -> dict:
     and the decode costs of speed runs."""
     output = WORK / "artifacts" / build.name
     recipe_file = output.with_name(f"{build.name}.json")
-    recipe = {**asdict(build), "cuda_arch": cuda_arch, "format_version": FORMAT_VERSION}
+    recipe = {
+        **asdict(build),
+        "cuda_arch": cuda_arch,
+        "format_version": FORMAT_VERSION,
+        "compiler_source": compiler_source_digest(),  # a changed kernel or schedule compiles again
+    }
     if recipe_file.is_file() and (output / "manifest.json").is_file():
         record = json.loads(recipe_file.read_text())
         if record["recipe"] == recipe:
