@@ -1,7 +1,7 @@
-"""The TVM CPU kernel's int8 path (accuracy_level 4): grouped matmuls (4-bit weights, and 8-bit ones with VNNI) with
-x rounded to int8 per group, one row and many, on each int8 dot-product instruction and vector width this CPU has,
-against the same integer arithmetic in numpy; per-channel int8 and 8-bit without VNNI keep the float kernel; the
-option's errors and the artifact's manifest."""
+"""The TVM CPU kernel's int8 path (accuracy_level 4): grouped matmuls (4-bit weights, and 8-bit ones with VNNI,
+per-channel ones too: one group a row) with x rounded to int8 per group, one row and many, on each int8
+dot-product instruction and vector width this CPU has, against the same integer arithmetic in numpy; 8-bit without
+VNNI keeps the float kernel; the option's errors and the artifact's manifest."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ SCHEMES = {  # --quant name: the scheme and the kernel's kind of zero points
     "q4g128-sym": (QuantScheme(4, 128), "none"),
     "q8": (QuantScheme(8, 32), "none"),
     "q8g128": (QuantScheme(8, 128), "none"),
+    "q8c": (QuantScheme(8, 0), "none"),  # per channel: one group a row
 }
 
 
@@ -109,19 +110,21 @@ def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
     and off the float kernel by the rounding of x only. Groups of 32 take 576 features: 18 groups, which 64-byte
     vectors of four 4-bit groups do not divide."""
     scheme, zeros = SCHEMES[quant]
-    in_features = 576 if scheme.group == 32 else 512
+    in_features = 576 if scheme.group in (0, 32) else 512
+    rounded = scheme.group or in_features  # the features x is rounded in: per channel, the whole row
     gen = torch.Generator().manual_seed(0)
     out_features = 64
     q = quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, scheme)
     tensors = [t.numpy() for t in (q.qweight, q.scales, q.zeros) if t is not None]
     bias = torch.randn(out_features, generator=gen).numpy()
-    zero = _zero_points(scheme, q.zeros, in_features // scheme.group)
+    zero = _zero_points(scheme, q.zeros, in_features // rounded)
     weights = _unpacked(tensors[0], scheme.bits)
     for rows in (1, 11):
         x = (torch.randn(rows, in_features, generator=gen) * 3).numpy()
-        x[0, : scheme.group] = 0  # a group of zeros: scale 0, no division by it
+        if rounded < in_features or rows > 1:  # a group of zeros (per channel: a whole row): scale 0, no division
+            x[-1, :rounded] = 0
         got = _run_kernel(dot, x, tensors, scheme.bits, zeros, bias)
-        expected = np.stack([_int8_reference(row, weights, zero, q.scales.numpy(), scheme.group) for row in x]) + bias
+        expected = np.stack([_int8_reference(row, weights, zero, q.scales.numpy(), rounded) for row in x]) + bias
         assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
         exact = _run_kernel(None, x, tensors, scheme.bits, zeros, bias)  # the float kernel: x not rounded
         assert 0 < np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
@@ -131,12 +134,12 @@ def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
 @pytest.mark.parametrize(
     ("scheme", "kinds"),
     [
-        (QuantScheme(8, 0), (MADDUBS, VNNI)),  # q8c: one group a row
-        (QuantScheme(8, 32), (MADDUBS,)),  # pmaddubsw's int16 pair sums (255 x 127 x 2) would saturate
+        (QuantScheme(8, 0), (MADDUBS,)),  # q8c: pmaddubsw's int16 pair sums (255 x 127 x 2) would saturate
+        (QuantScheme(8, 32), (MADDUBS,)),
     ],
 )
 def test_what_the_int8_path_does_not_take_stays_in_float32(scheme, kinds):
-    """Per-channel int8 and 8-bit weights without VNNI: the float kernel's results, bit for bit."""
+    """8-bit weights without VNNI: the float kernel's results, bit for bit."""
     gen = torch.Generator().manual_seed(1)
     q = quantize(torch.randn(64, 256, generator=gen), scheme)
     tensors = [q.qweight.numpy(), q.scales.numpy()]

@@ -25,11 +25,12 @@ from .paged_kernels import ATTRS
 TILE = 4  # activation rows a weight vector is multiplied with while it is in a register (8 accumulators)
 
 
-def rounds_activations(bits: int, group: int, groups: int, int8_dot: Int8Dot | None) -> bool:
+def rounds_activations(bits: int, group: int, int8_dot: Int8Dot | None) -> bool:
     """Whether a matmul runs in int8 here: groups of whole 16-byte vectors of weights, on a CPU with an int8 dot
-    product; 8-bit weights only with VNNI (pmaddubsw's int16 pair sums would saturate) and not per channel (one group
-    a row, whose scale leaves nothing to apply per group)."""
-    if int8_dot is None or group * bits // 8 % 16 or groups == 1:
+    product; 8-bit weights only with VNNI (pmaddubsw's int16 pair sums would saturate). Per-channel weights (one
+    group a row) round each row of x once, as ONNX Runtime's integer GEMM does, and sum the row in int32: their
+    rows are bounded so that 255 x 128 x the row's length stays an int32."""
+    if int8_dot is None or group * bits // 8 % 16 or group * 255 * 128 >= 2**31:
         return False
     return bits == 4 or int8_dot.kind == VNNI
 

@@ -70,9 +70,9 @@ def qlinear_kernel(
     [N, groups] in `scale_dtype` (float32 or float16), `zeros` "none" (symmetric: 8, or 128 for int8), "float"
     ([N, groups], the scales' dtype) or "nibbles" (uint8 [N, ceil(groups / 2)]); absent zeros and bias are passed as
     a one-element placeholder the kernel never reads. With `int8_dot`, the matmuls that `rounds_activations` takes
-    are qlinear_int8's int8 kernel."""
+    (per-channel ones too: x rounded a row at a time) are qlinear_int8's int8 kernel."""
     groups = in_features // group
-    if rounds_activations(bits, group, groups, int8_dot):
+    if rounds_activations(bits, group, int8_dot):
         return int8_kernel(out_features, in_features, group, bits, zeros, bias, int8_dot, scale_dtype)
     per_group = group * bits // 8  # bytes
     steps = per_group // lanes  # vector steps per group
