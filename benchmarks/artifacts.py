@@ -36,11 +36,11 @@ def ensure_artifact(
     built = [(p["name"], p["options"]) for p in manifest.get("pipeline", [])]
     same = manifest.get("backend") == backend and manifest.get("kv_layout", {}).get("kind") == layout.value
     same = same and manifest.get("format_version") == FORMAT_VERSION
-    stamp = directory.with_name(f"{directory.name}.compiler-source")
-    same = same and stamp.is_file() and stamp.read_text() == compiler_source_digest()
+    stamp, digest = directory.with_name(f"{directory.name}.compiler-source"), compiler_source_digest()
+    same = same and stamp.is_file() and stamp.read_text() == digest
     drafts = sorted(d["layers"] for d in manifest.get("drafts", {}).values())
     if rebuild or not same or built != wanted or drafts != sorted(draft_layers):
         print(f"[benchmarks] compiling {backend} {options or 'fp32'} into {directory}", file=sys.stderr)
         compile_artifact(model, directory, pipeline, backend=backend, draft_layers=list(draft_layers))
-        stamp.write_text(compiler_source_digest())
+        stamp.write_text(digest)
     return directory

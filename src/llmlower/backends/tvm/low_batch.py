@@ -44,9 +44,14 @@ def dispatch_low_batch(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.P
     rows = _row_var(func)
     if rows is None:
         return None
-    gemvs = [(limit, _scheduled(dlight.gpu.LowBatchGEMV(bucket), func, target)) for limit, bucket in LOW_BATCH_BUCKETS]
+    gemvs = []
+    for limit, bucket in LOW_BATCH_BUCKETS:  # most such functions are elementwise: refused by the first bucket
+        gemv = _scheduled(dlight.gpu.LowBatchGEMV(bucket), func, target)
+        if gemv is None:
+            return None
+        gemvs.append((limit, gemv))
     matmul = _scheduled(SimtMatmul(), func, target)
-    if matmul is None or any(gemv is None for _, gemv in gemvs):
+    if matmul is None:
         return None
     body = matmul.body
     for limit, gemv in reversed(gemvs):

@@ -146,8 +146,9 @@ def step_program(program: Program) -> Program:
     from_exported_program keeps them all as function parameters instead of baking them in as constants)."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(program.graph_module.graph, {})
-    logits = out[program.output_names.index(LOGITS)]
-    if program.outputs[program.output_names.index(LOGITS)].dtype != "float32":
+    index = program.output_names.index(LOGITS)
+    logits = out[index]
+    if program.outputs[index].dtype != "float32":
         logits = graph.call_function(torch.ops.aten._to_copy.default, (logits,), {"dtype": torch.float32})
     graph.output((logits,))
     gm = torch.fx.GraphModule(program.graph_module, graph)
