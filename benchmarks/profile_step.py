@@ -4,7 +4,8 @@ compiled function (TVM: the Relax VM's instrument hook, timing every call it mak
 
 N sequences (SmolLM2 chat prompts padded to --context tokens) decode together on an artifact; after a warm-up,
 --steps decode steps are timed with the engine's methods wrapped in timers, and the ONNX session is profiled; on
-TVM, --steps more steps are then run with the VM instrumented (its per-call hook adds a little to each call).
+TVM, --steps more steps are then run with the VM instrumented (its per-call hook adds a little to each call; an
+artifact compiled with --vm-exec bytecode: the default, compiled VM code has no hook).
 
     .venv/bin/python benchmarks/profile_step.py ARTIFACT [--streams 16] [--context 512] [--steps 20] [--threads 2]
 """
@@ -93,8 +94,8 @@ def main() -> None:
     config = EngineConfig(max_num_seqs=args.streams, max_context=args.context + decode_room)
     engine = Engine.load(args.artifact, config, threads=args.threads)
     executor = engine.executor
+    manifest = json.loads((args.artifact / "manifest.json").read_text())
     if isinstance(executor, OnnxSlotExecutor):  # the same model in a profiled session
-        manifest = json.loads((args.artifact / "manifest.json").read_text())
         model = str(args.artifact / manifest["entry_points"]["step"]["file"])
         context, blocks = executor.max_context, executor.num_blocks
         executor = OnnxSlotExecutor(model, context, blocks, threads=args.threads, profile=True)
@@ -126,7 +127,9 @@ def main() -> None:
     if isinstance(executor, OnnxSlotExecutor):
         ops = operator_times(Path(executor.session.end_profiling()), args.steps)
         print_rows("ONNX Runtime operators in a decode step (kernel time)", ops, args.steps)
-    if isinstance(executor, TvmExecutor):
+    if isinstance(executor, TvmExecutor) and manifest.get("tvm", {}).get("vm_exec") == "compiled":
+        print("\nper-function times: the VM's calls are compiled code here; compile with --vm-exec bytecode for them")
+    elif isinstance(executor, TvmExecutor):
         calls = VmCallTimes()
         executor.vm.set_instrument(calls)
         for _ in range(args.steps):

@@ -226,6 +226,7 @@ def test_the_artifact_runs_as_the_checkpoint_without_torch(artifact, tiny_llama,
     assert manifest["kv_layout"] == {**layout, "shape": ["num_blocks", "block_size", "kv_heads", "head_dim"]}
     assert set(manifest["entry_points"]) == {"step", "copy_blocks"}
     assert {"model.so", "weights.safetensors"} <= set(manifest["files"])
+    assert manifest["tvm"]["vm_exec"] == "compiled"  # the VM's calls as native code: the cpu default
     args = ["--prompt", "Hello there", "--max-tokens", "8", "--json"]
     assert main(["generate", str(tiny_llama), *args, "--backend", "torch"]) == 0
     expected = json.loads(capsys.readouterr().out)["token_ids"]
@@ -241,6 +242,24 @@ def test_the_artifact_runs_as_the_checkpoint_without_torch(artifact, tiny_llama,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == [str([expected, expected]), "8 16"]
+
+
+def test_a_bytecode_vm_gives_the_same_tokens_and_can_be_instrumented(artifact, tiny_llama, tmp_path):
+    """--vm-exec bytecode: the VM interprets the step (slower), which lets a per-call hook time each kernel."""
+    from llmlower.errors import LlmlowerError
+    from llmlower.runtime import Engine, EngineConfig, SamplingParams
+
+    with pytest.raises(LlmlowerError, match="--vm-exec 'jit': the tvm backend takes compiled or bytecode"):
+        compile_artifact(tiny_llama, tmp_path / "never", backend="tvm", vm_exec="jit")
+    out = compile_artifact(tiny_llama, tmp_path / "bytecode", backend="tvm", vm_exec="bytecode", block_size=8)
+    assert json.loads((out / "manifest.json").read_text())["tvm"]["vm_exec"] == "bytecode"
+    config, params = EngineConfig(max_num_seqs=1, max_context=64), SamplingParams(temperature=0, max_tokens=8)
+    engines = [Engine.load(path, config) for path in (artifact, out)]
+    called = []
+    engines[1].executor.vm.set_instrument(lambda func, name, before, *rest: called.append(name) or 0)
+    tokens = [engine.generate(["Hello there"], params)[0].token_ids for engine in engines]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+    assert any(name.startswith("paged_attention") for name in called)
 
 
 def _cores() -> int:
@@ -292,6 +311,7 @@ def test_a_cuda_artifact_carries_gpu_code_for_the_asked_arch(arch, quant, tiny_l
     assert (manifest["dtype"], manifest["tvm"]["cuda_arch"]) == ("float16", arch)
     assert manifest["kv_layout"]["kind"] == "paged"
     assert manifest["entry_points"]["step"]["outputs"][0]["dtype"] == "float32"  # widened on the GPU, not the host
+    assert manifest["tvm"]["vm_exec"] == "bytecode"  # the compiled VM has not run on a GPU yet
     device_code = manifest["tvm"]["device_code"]
     assert elf_arches((out / device_code["file"]).read_bytes()) == {int(arch[3:])}
 

@@ -181,6 +181,7 @@ def compile_artifact(
     accuracy_level: int | None = None,
     cuda_arch: str | None = None,
     cpu: str | None = None,
+    vm_exec: str | None = None,
     dialect: str | None = None,
     static_dims: dict[str, int] | None = None,
     block_size: int | None = None,
@@ -191,14 +192,14 @@ def compile_artifact(
 ) -> Path:
     """Compile MODEL into a deployable artifact directory at `output` (written atomically) with the onnx backend
     (`accuracy_level`: MatMulNBits', default 4), the tvm one (`accuracy_level` 4, the cpu default: grouped int4 / int8
-    matmuls with int8 activations, 0: float32; `cuda_arch` for cuda, e.g. sm_90; `cpu`: the
-    LLVM CPU name, default this machine's) or the mlir one (`dialect`: torch, linalg (default), stablehlo or tosa;
-    `static_dims`: sizes fixed in the module, e.g. {"batch": 1, "tokens": 16}, a decode step's for tosa). The
-    dtype defaults to float32 on cpu and float16 on cuda; the pipeline gets the KV layout the backend runs on the
-    target (backends.registry). `write_extra(directory)` adds files of the caller's to the artifact before it is
-    hashed (the compile cache's key). `verify` checks each pass against the one before and then the built
-    artifact, run by its own executor, against the torch reference (verify_artifact): one that differs beyond
-    its backend's tolerance is refused and nothing is written.
+    matmuls with int8 activations, 0: float32; `cuda_arch` for cuda, e.g. sm_90; `cpu`: the LLVM CPU name, default
+    this machine's; `vm_exec`: compiled, the cpu default, or bytecode, the cuda one) or the mlir one (`dialect`:
+    torch, linalg (default), stablehlo or tosa; `static_dims`: sizes fixed in the module, e.g. {"batch": 1,
+    "tokens": 16}, a decode step's for tosa). The dtype defaults to float32 on cpu and float16 on cuda; the
+    pipeline gets the KV layout the backend runs on the target (backends.registry). `write_extra(directory)` adds
+    files of the caller's to the artifact before it is hashed (the compile cache's key). `verify` checks each pass
+    against the one before and then the built artifact, run by its own executor, against the torch reference
+    (verify_artifact): one that differs beyond its backend's tolerance is refused and nothing is written.
 
     `draft_layers` (K, or several): also compile a self-draft for speculative decoding per K, the model's first K
     decoder layers with its final norm and LM head (the draft_layers pass, first in the same pipeline, backend,
@@ -223,6 +224,7 @@ def compile_artifact(
             ("accuracy_level", accuracy_level),
             ("cuda_arch", cuda_arch),
             ("cpu", cpu),
+            ("vm_exec", vm_exec),
             ("dialect", dialect),
             ("static_dims", static_dims),
         )

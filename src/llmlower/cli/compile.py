@@ -34,6 +34,12 @@ def add_compile_parser(sub: argparse._SubParsersAction) -> None:
     )
     comp.add_argument("--cuda-arch", help="tvm, cuda: GPU architecture to build for (sm_80 default, sm_89, sm_90)")
     comp.add_argument("--cpu", help="tvm, cpu: LLVM CPU name to build for (default: this machine's, e.g. znver3)")
+    comp.add_argument(
+        "--vm-exec",
+        choices=("compiled", "bytecode"),
+        help="tvm: how TVM's VM runs a step's kernel calls: compiled to native code (cpu default) or interpreted "
+        "bytecode (cuda default; lets benchmarks/profile_step.py time each call)",
+    )
     comp.add_argument("--dialect", help="mlir: the dialect of the module: torch, linalg (default), stablehlo, tosa")
     comp.add_argument(
         "--static-dims",
@@ -83,6 +89,7 @@ def _compile(args: argparse.Namespace) -> int:
         accuracy_level=args.accuracy_level,
         cuda_arch=args.cuda_arch,
         cpu=args.cpu,
+        vm_exec=args.vm_exec,
         dialect=args.dialect,
         static_dims=args.static_dims,
         block_size=args.block_size,

@@ -15,7 +15,7 @@ BACKEND = Backend(
     compiler="artifact:build",
     program_executor="program_executor:program_executor",
     summary="Apache TVM: Relax + llmlower's paged-attention kernels, llvm (CPU) or CUDA",
-    options=("accuracy_level", "cuda_arch", "cpu"),
+    options=("accuracy_level", "cuda_arch", "cpu", "vm_exec"),
     check="compile:check_options",
     # accuracy_level 4 (the CPU default) rounds activations to int8 per group for the grouped quantized matmuls,
     # as ONNX Runtime's MatMulNBits does at its level 4

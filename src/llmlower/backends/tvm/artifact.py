@@ -19,6 +19,7 @@ from ...step_io import KVLayout, pool_names
 from ..manifest import kv_layout_manifest, program_manifest
 from .compile import accuracy_level as level
 from .compile import compile_module, cpu_manifest, cuda_binary, tvm_target
+from .compile import vm_exec as vm_exec_mode
 from .relax_import import COPY_BLOCKS, COPY_INDICES, STEP, logits_output, to_relax
 
 LIBRARY, WEIGHTS, DEVICE_CODE = "model.so", "weights.safetensors", "model.fatbin"
@@ -31,6 +32,7 @@ def build(
     accuracy_level: int | None = None,
     cuda_arch: str | None = None,
     cpu: str | None = None,
+    vm_exec: str | None = None,
     write_extra: Callable[[Path], None] | None = None,
     manifest_extra: dict[str, Any] | None = None,
     check_staged: Callable[[Path], None] | None = None,
@@ -38,12 +40,13 @@ def build(
     """Lower and compile `program` for `target` and write it (and whatever `write_extra` adds) as an artifact;
     `check_staged` runs on it before it is moved into place (runtime.artifact.write_artifact)."""
     tvm_tgt = tvm_target(target, cuda_arch, cpu)
+    exec_mode = vm_exec_mode(target, vm_exec)
     if program.kv_layout is not KVLayout.PAGED:
         raise LlmlowerError("the tvm backend needs a program with a paged KV cache (kv_cache, then paged_attention)")
     with stage("lower to Relax (from_exported_program, paged attention over block pools)"):
         model = to_relax(program, tvm_tgt, level(target, accuracy_level))
     with stage(f"compile with TVM for {tvm_tgt.kind.name} ({tvm_tgt.attrs.get('arch') or tvm_tgt.attrs['mcpu']})"):
-        executable = compile_module(model.module, tvm_tgt)
+        executable = compile_module(model.module, tvm_tgt, exec_mode)
     device_code = None
     if target == "cuda":
         with stage(f"compile the GPU kernels with nvcc for {tvm_tgt.attrs['arch']}"):
@@ -71,6 +74,7 @@ def build(
             "cuda_arch": tvm_tgt.attrs.get("arch"),
             **cpu_manifest(tvm_tgt),  # triple, cpu and cpu_features: checked against the host when loaded
             "accuracy_level": model.accuracy_level,
+            "vm_exec": exec_mode,
         },
         "kv_layout": kv_layout_manifest(program),
         "entry_points": {

@@ -33,6 +33,9 @@ from .cpu_schedule import WeightRowMatmul
 from .low_batch import SimtMatmul, low_batch_dispatch
 
 TARGETS = ("cpu", "cuda")
+# compiled: the Relax VM's functions (a step's ~850 kernel calls, shapes and allocations) become native code;
+# bytecode: the VM interprets them, which lets a per-call instrument time each call (benchmarks/profile_step.py)
+VM_EXEC_MODES = ("compiled", "bytecode")
 CUDA_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 DEFAULT_CUDA_ARCH = "sm_80"
 
@@ -57,11 +60,21 @@ def accuracy_level(target: str, asked: int | None) -> int:
     return level
 
 
+def vm_exec(target: str, asked: str | None) -> str:
+    """How the Relax VM runs the step's functions: compiled by default on cpu, bytecode on cuda (the compiled VM
+    has not run on a GPU yet)."""
+    mode = asked or ("compiled" if target == "cpu" else "bytecode")
+    if mode not in VM_EXEC_MODES:
+        raise LlmlowerError(f"--vm-exec {mode!r}: the tvm backend takes {' or '.join(VM_EXEC_MODES)}")
+    return mode
+
+
 def check_options(target: str, options: dict[str, str]) -> None:
-    """The backends table's check of the compile options (accuracy_level, cuda_arch, cpu), before anything is
-    compiled."""
+    """The backends table's check of the compile options (accuracy_level, cuda_arch, cpu, vm_exec), before anything
+    is compiled."""
     check_target(target, options.get("cuda_arch"))
     accuracy_level(target, options.get("accuracy_level"))
+    vm_exec(target, options.get("vm_exec"))
     cpu = options.get("cpu")
     if cpu is None and target == "cpu":  # this machine's CPU as LLVM detects it: does its feature set hold here?
         from ...runtime.cpu_features import PORTABLE_CPUS, machine_of, missing_cpu_features
@@ -140,9 +153,11 @@ def pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
     )
 
 
-def compile_module(module: tvm.IRModule, target: tvm.target.Target) -> relax.VMExecutable:
+def compile_module(module: tvm.IRModule, target: tvm.target.Target, exec_mode: str | None = None) -> relax.VMExecutable:
+    """The executable of `module`, its VM functions run as `exec_mode` (VM_EXEC_MODES; default: vm_exec's)."""
+    exec_mode = vm_exec("cuda" if target.kind.name == "cuda" else "cpu", exec_mode)
     with target:
-        return tvm.compile(module, target=target, relax_pipeline=pipeline(target))
+        return relax.build(module, target=target, relax_pipeline=pipeline(target), exec_mode=exec_mode)
 
 
 def cuda_source(executable: relax.VMExecutable) -> str:
