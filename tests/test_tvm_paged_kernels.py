@@ -234,6 +234,49 @@ def test_extras_match_the_paged_attention_reference(
         assert np.array_equal(pools[0].numpy(), k_pool) and np.array_equal(pools[1].numpy(), v_pool)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "softcap", "sinks", "alibi", "window"),
+    [
+        (6, 2, 0.0, False, False, 0),
+        (6, 2, 1.5, True, True, 7),
+        (6, 2, 0.0, False, True, 0),
+        (4, 4, 0.0, True, False, 9),
+    ],
+)
+def test_long_prompt_chunks_match_the_paged_attention_reference(
+    heads: int, kv_heads: int, softcap: float, sinks: bool, alibi: bool, window: int
+) -> None:
+    """Prompt chunks longer than the CPU kernel's tiles of rows (16 rows of 3 query heads, 64 rows of 1): whole
+    tiles, a short last one and a last row alone, beside a decode row, against the op's torch reference."""
+    past, new = [3, 0, 20], [37, 33, 1]
+    rng = np.random.default_rng(11)
+    sink_logits = rng.standard_normal(heads).astype("float32") if sinks else None
+    slopes = np.geomspace(0.5, 0.5**heads, heads).astype("float32") if alibi else None
+    target = tvm_target("cpu")
+    module = _module(target, heads, kv_heads, window, softcap, sink_logits, HEAD_DIM, slopes)
+    vm = relax.VirtualMachine(compile_module(module, target), tvm.cpu())
+    lengths = np.add(past, new)
+    per_sequence = -(-lengths.max() // BLOCK_SIZE)
+    tables = rng.permutation(len(past) * per_sequence).astype("int32").reshape(len(past), per_sequence)
+    k_pool, v_pool = (
+        rng.standard_normal((tables.size, BLOCK_SIZE, kv_heads, HEAD_DIM)).astype("float32") for _ in range(2)
+    )
+    pools = [tvm.runtime.tensor(pool) for pool in (k_pool, v_pool)]
+    step = _step(rng, tables, past, new, heads, kv_heads)
+    step.q *= 3
+    packed = [torch.from_numpy(x).transpose(0, 1)[None] for x in (step.q, step.k, step.v)]
+    expected, _, _ = PAGED_ATTENTION.op(
+        *packed, torch.from_numpy(k_pool), torch.from_numpy(v_pool), torch.from_numpy(tables).long(),
+        torch.tensor(past), torch.tensor(new), HEAD_DIM**-0.5, window, softcap,
+        None if sink_logits is None else torch.from_numpy(sink_logits),
+        None if slopes is None else torch.from_numpy(slopes),
+    )  # fmt: skip
+    args = [step.q, step.k, step.v, *pools, step.tables, step.past, step.starts]
+    out = vm["attend"](*(a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(a) for a in args))
+    expected = expected[0].transpose(0, 1).numpy()
+    assert np.abs(out.numpy().reshape(expected.shape) - expected).max() <= 1e-5
+
+
 def _latent_module(target: tvm.target.Target, rank: int, rope: int, window: int) -> tvm.IRModule:
     """`attend(q, latent, k_pe, kv_weight, c_pool, pe_pool, tables, past, starts)` -> MLA's output [N, heads, dv]
     over pools of latents [nb, BLOCK_SIZE, 1, rank] and rotary keys [..., rope] (updated in place)."""

@@ -59,12 +59,18 @@ class WeightRowMatmul(CPUScheduleRule):
             return None
 
 
+def float_lanes(target: Target) -> int:
+    """float32 lanes of the target CPU's widest vectors: AVX512_LANES with AVX-512, else LANES."""
+    features = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target)}
+    return AVX512_LANES if "avx512f" in features else LANES
+
+
 def dequantize_lanes(target: Target, width: int) -> int:
     """float32 lanes of the dequantize loops over `width` weights: 16 with AVX-512 (one 16-byte load of 4-bit
     weights unpacks into two registers: decode's q4 matmuls twice as fast as with 8) where they divide it,
     else LANES."""
-    features = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target)}
-    return AVX512_LANES if "avx512f" in features and width % AVX512_LANES == 0 else LANES
+    lanes = float_lanes(target)
+    return lanes if width % lanes == 0 else LANES
 
 
 def _schedule(sch: s_tir.Schedule, block, loops, producers, consumers, unpack_lanes: int) -> s_tir.Schedule:

@@ -30,10 +30,11 @@ from tvm import relax, te, tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
-from .cpu_schedule import LANES  # float32 partial sums per dot product on CPU (one AVX2 register)
+from .cpu_schedule import LANES, float_lanes  # LANES: float32 partial sums per dot product on CPU (one AVX2 register)
 
 NEG = -1e30  # a finite minus infinity: exp(NEG - m) is 0 and NEG - NEG is no NaN
 CUDA_THREADS = 64  # threads per CUDA thread block (and positions per attention tile)
+TILE_QUERIES = 64  # CPU: query vectors (rows x query heads of a kv head) a prompt chunk's tile attends at once
 # scheduled already (DLight skips them) and opaque to FuseOps (op_pattern kOpaque), which would otherwise take
 # the block copy for an elementwise op
 ATTRS = {"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8}
@@ -218,9 +219,13 @@ def attention_kernel(
     alibi: bool = False,
     latent: bool = False,
     pool_dtype: str | None = None,
+    vector_lanes: int = LANES,
 ) -> tirx.PrimFunc:
     """out[row, h] = softmax(scale * q·K) · V over the row's own positions lo..pos (lo = pos - window + 1 with a
     sliding window, else 0). CPU: one task per (row, kv head), each pass over a key serving its query heads;
+    a prompt chunk's rows are taken prefill_tile_rows at a time instead (one task per tile and kv head), so that
+    each key is read once for the tile's rows x query heads, whose scores run in vector lanes (q transposed); a
+    row alone in its tile (a decode row) keeps the one-row path.
     CUDA: one thread block per (row, head), CUDA_THREADS positions per tile. The extras of ir/attention.py:
     softcap > 0 caps each logit at softcap * tanh(logit / softcap); with `sinks`, head h's sink logit sinks[h]
     (the kernel's sinks argument, [heads] float32, read only then) starts the online softmax as a key with no
@@ -239,6 +244,20 @@ def attention_kernel(
     lanes = math.gcd(head_dim, key_dim, LANES)
     dims_per_thread = -(-key_dim // CUDA_THREADS)
     value_dims_per_thread = -(-value_dim // CUDA_THREADS)
+    tile_rows = prefill_tile_rows(group)
+    queries = tile_rows * group  # a tile's query vectors: its rows' query heads of one kv head
+    tile_lanes = math.gcd(queries, vector_lanes)  # a tile's loops over its queries run in vectors this wide
+    key_step, value_step = math.gcd(block_size, 4), math.gcd(value_dim, 4)  # keys / value dimensions at once
+
+    def tile_logit(score, slope_v, t, t_lo, t_hi, j, pos):  # noqa: ANN001, ANN202 (TIR expressions)
+        """The logit of a tile's query at key j (the query row at position pos): capped, ALiBi's bias added; NEG
+        outside the block's keys [t_lo, t_hi), after pos or before the row's window."""
+        if softcap > 0:
+            score = T.tanh(score * T.float32(1.0 / softcap)) * T.float32(softcap)
+        if alibi:
+            score = score + slope_v * T.Cast("float32", j - pos)
+        valid = tirx.all(t_lo <= t, t < t_hi, j <= pos, *([pos - window < j] if window > 0 else []))
+        return T.if_then_else(valid, score, T.float32(NEG))
 
     @T.prim_func(s_tir=True, private=True)
     def paged_attention(
@@ -357,73 +376,193 @@ def attention_kernel(
                     row: T.let[T.int32] = task // kv_heads
                     kvh: T.let[T.int32] = task % kv_heads
                     _sequence_of(seq, query_start, num_seqs, row)
-                    pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
-                    lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
-                    for g in T.serial(group):
-                        m[g] = sink[kvh * group + g] if sinks else T.float32(NEG)
-                        total[g] = T.float32(1.0) if sinks else T.float32(0.0)
-                        for d in T.vectorized(key_dim):
-                            q_s[g, d] = T.Cast("float32", q[row, kvh * group + g, d]) * scale
-                        if quantized:
-                            for d in T.vectorized(key_dim):
-                                q_s[g, d] = q_s[g, d] * k_scale[kvh, d]
-                        for d in T.vectorized(value_dim):
-                            acc[g, d] = 0.0
-                    for b in T.serial(lo // block_size, pos // block_size + 1):
-                        block: T.let[T.int32] = block_tables[seq[0], b]
-                        for t in T.serial(block_size):
-                            for g in T.serial(group):
-                                score[g, t] = NEG
-                            if lo <= b * block_size + t and b * block_size + t <= pos:
-                                for g, lane in T.grid(group, lanes):
-                                    part[g, lane] = 0.0
-                                _dot_lanes(part, q_s, 0, k_pool, block, t, kvh, head_dim, group, lanes)
-                                if latent:
-                                    _dot_lanes(part, q_s, head_dim, v_pool, block, t, kvh, dv, group, lanes)
-                                for g in T.unroll(group):  # the lanes summed in halves, in vector registers
-                                    if lanes == 8:
-                                        for lane in T.vectorized(4):
-                                            part[g, lane] += part[g, lane + 4]
-                                    if lanes >= 4:
-                                        for lane in T.vectorized(2):
-                                            part[g, lane] += part[g, lane + 2]
-                                    score[g, t] = part[g, 0]
-                                    if lanes >= 2:
-                                        score[g, t] += part[g, 1]
-                                    if softcap > 0:
-                                        score[g, t] = T.tanh(score[g, t] * T.float32(1.0 / softcap)) * T.float32(
-                                            softcap
-                                        )
-                                    if alibi:
-                                        score[g, t] += slope[kvh * group + g] * T.Cast(
-                                            "float32", b * block_size + t - pos
-                                        )
+                    offset: T.let[T.int32] = row - query_start[seq[0]]
+                    lead: T.let[T.int32] = offset - offset % tile_rows  # the first row of this row's tile
+                    rows: T.let[T.int32] = T.min(tile_rows, query_start[seq[0] + 1] - query_start[seq[0]] - lead)
+                    if rows == 1:  # a decode row (or a chunk's last, alone in its tile)
+                        pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
+                        lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
                         for g in T.serial(group):
-                            m_new[g] = m[g]
+                            m[g] = sink[kvh * group + g] if sinks else T.float32(NEG)
+                            total[g] = T.float32(1.0) if sinks else T.float32(0.0)
+                            for d in T.vectorized(key_dim):
+                                q_s[g, d] = T.Cast("float32", q[row, kvh * group + g, d]) * scale
+                            if quantized:
+                                for d in T.vectorized(key_dim):
+                                    q_s[g, d] = q_s[g, d] * k_scale[kvh, d]
+                            for d in T.vectorized(value_dim):
+                                acc[g, d] = 0.0
+                        for b in T.serial(lo // block_size, pos // block_size + 1):
+                            block: T.let[T.int32] = block_tables[seq[0], b]
                             for t in T.serial(block_size):
-                                m_new[g] = T.max(m_new[g], score[g, t])
-                            alpha[g] = vector_exp(m[g] - m_new[g])
-                            total[g] *= alpha[g]
-                            for d in T.vectorized(value_dim):
-                                acc[g, d] *= alpha[g]
-                            m[g] = m_new[g]
-                            for t in T.vectorized(block_size):
-                                score[g, t] = vector_exp(score[g, t] - m[g])
-                            for t in T.unroll(block_size):
-                                total[g] += score[g, t]
-                        for t in T.serial(block_size):
-                            if lo <= b * block_size + t and b * block_size + t <= pos:
                                 for g in T.serial(group):
-                                    for d in T.vectorized(value_dim):
-                                        acc[g, d] += score[g, t] * T.Cast("float32", values[block, t, kvh, d])
-                    for g in T.serial(group):
-                        if quantized:
+                                    score[g, t] = NEG
+                                if lo <= b * block_size + t and b * block_size + t <= pos:
+                                    for g, lane in T.grid(group, lanes):
+                                        part[g, lane] = 0.0
+                                    _dot_lanes(part, q_s, 0, k_pool, block, t, kvh, head_dim, group, lanes)
+                                    if latent:
+                                        _dot_lanes(part, q_s, head_dim, v_pool, block, t, kvh, dv, group, lanes)
+                                    for g in T.unroll(group):  # the lanes summed in halves, in vector registers
+                                        if lanes == 8:
+                                            for lane in T.vectorized(4):
+                                                part[g, lane] += part[g, lane + 4]
+                                        if lanes >= 4:
+                                            for lane in T.vectorized(2):
+                                                part[g, lane] += part[g, lane + 2]
+                                        score[g, t] = part[g, 0]
+                                        if lanes >= 2:
+                                            score[g, t] += part[g, 1]
+                                        if softcap > 0:
+                                            score[g, t] = T.tanh(score[g, t] * T.float32(1.0 / softcap)) * T.float32(
+                                                softcap
+                                            )
+                                        if alibi:
+                                            score[g, t] += slope[kvh * group + g] * T.Cast(
+                                                "float32", b * block_size + t - pos
+                                            )
+                            for g in T.serial(group):
+                                m_new[g] = m[g]
+                                for t in T.serial(block_size):
+                                    m_new[g] = T.max(m_new[g], score[g, t])
+                                alpha[g] = vector_exp(m[g] - m_new[g])
+                                total[g] *= alpha[g]
+                                for d in T.vectorized(value_dim):
+                                    acc[g, d] *= alpha[g]
+                                m[g] = m_new[g]
+                                for t in T.vectorized(block_size):
+                                    score[g, t] = vector_exp(score[g, t] - m[g])
+                                for t in T.unroll(block_size):
+                                    total[g] += score[g, t]
+                            for t in T.serial(block_size):
+                                if lo <= b * block_size + t and b * block_size + t <= pos:
+                                    for g in T.serial(group):
+                                        for d in T.vectorized(value_dim):
+                                            acc[g, d] += score[g, t] * T.Cast("float32", values[block, t, kvh, d])
+                        for g in T.serial(group):
+                            if quantized:
+                                for d in T.vectorized(value_dim):
+                                    acc[g, d] = acc[g, d] * v_scale[kvh, d]
                             for d in T.vectorized(value_dim):
-                                acc[g, d] = acc[g, d] * v_scale[kvh, d]
-                        for d in T.vectorized(value_dim):
-                            out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / total[g])
+                                out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / total[g])
+
+                    elif offset == lead:  # a prompt chunk's tile: its rows' query heads take every key at once
+                        with T.sblock("tile"):
+                            T.reads()
+                            T.writes()
+                            qt = T.sblock_alloc_buffer((key_dim, queries), "float32")
+                            s_t = T.sblock_alloc_buffer((block_size, queries), "float32")
+                            acc_t = T.sblock_alloc_buffer((value_dim, queries), "float32")
+                            m_t = T.sblock_alloc_buffer((queries,), "float32")
+                            m_new_t = T.sblock_alloc_buffer((queries,), "float32")
+                            alpha_t = T.sblock_alloc_buffer((queries,), "float32")
+                            total_t = T.sblock_alloc_buffer((queries,), "float32")
+                            pos_t = T.sblock_alloc_buffer((queries,), "int32")  # each query's row position
+                            slope_t = T.sblock_alloc_buffer((queries,), "float32")  # and its head's ALiBi slope
+                            first: T.let[T.int32] = past_lens[seq[0]] + offset  # the tile's first position
+                            last: T.let[T.int32] = first + rows - 1
+                            lo_t: T.let[T.int32] = T.max(first - window + 1, 0) if window > 0 else 0
+                            for d, v in T.grid(key_dim, queries):  # q transposed: a key's value scales every query
+                                qt[d, v] = T.float32(0.0)
+                                if v // group < rows:
+                                    qt[d, v] = (
+                                        T.Cast("float32", q[row + v // group, kvh * group + v % group, d]) * scale
+                                    )
+                                    if quantized:
+                                        qt[d, v] = qt[d, v] * k_scale[kvh, d]
+                            for v in T.serial(queries):
+                                m_t[v] = sink[kvh * group + v % group] if sinks else T.float32(NEG)
+                                total_t[v] = T.float32(1.0) if sinks else T.float32(0.0)
+                                pos_t[v] = first + v // group
+                                slope_t[v] = slope[kvh * group + v % group] if alibi else T.float32(0.0)
+                            for d, v in T.grid(value_dim, queries):
+                                acc_t[d, v] = T.float32(0.0)
+                            for b in T.serial(lo_t // block_size, last // block_size + 1):
+                                block: T.let[T.int32] = block_tables[seq[0], b]
+                                t_lo: T.let[T.int32] = T.max(lo_t - b * block_size, 0)
+                                t_hi: T.let[T.int32] = T.min(last - b * block_size + 1, block_size)
+                                # every key of the block, key_step at once (independent sums in registers); those
+                                # outside [t_lo, t_hi) are masked below, so whatever their slots hold is never used
+                                for t_step in T.serial(block_size // key_step):
+                                    for k, c in T.grid(key_step, queries // tile_lanes):
+                                        for lane in T.vectorized(tile_lanes):
+                                            s_t[t_step * key_step + k, c * tile_lanes + lane] = T.float32(0.0)
+                                    for d in T.serial(head_dim):
+                                        for k in T.unroll(key_step):
+                                            for c in T.unroll(queries // tile_lanes):
+                                                for lane in T.vectorized(tile_lanes):
+                                                    t = T.meta_var(t_step * key_step + k)
+                                                    v = T.meta_var(c * tile_lanes + lane)
+                                                    s_t[t, v] += qt[d, v] * T.Cast("float32", k_pool[block, t, kvh, d])
+                                    if latent:
+                                        for d in T.serial(dv):
+                                            for k in T.unroll(key_step):
+                                                for c in T.unroll(queries // tile_lanes):
+                                                    for lane in T.vectorized(tile_lanes):
+                                                        t = T.meta_var(t_step * key_step + k)
+                                                        v = T.meta_var(c * tile_lanes + lane)
+                                                        s_t[t, v] += qt[head_dim + d, v] * T.Cast(
+                                                            "float32", v_pool[block, t, kvh, d]
+                                                        )
+                                for t in T.serial(block_size):
+                                    j: T.let[T.int32] = b * block_size + t
+                                    for c in T.unroll(queries // tile_lanes):
+                                        for lane in T.vectorized(tile_lanes):
+                                            v = T.meta_var(c * tile_lanes + lane)
+                                            s_t[t, v] = tile_logit(s_t[t, v], slope_t[v], t, t_lo, t_hi, j, pos_t[v])
+                                for c in T.unroll(queries // tile_lanes):
+                                    for lane in T.vectorized(tile_lanes):
+                                        v = T.meta_var(c * tile_lanes + lane)
+                                        m_new_t[v] = m_t[v]
+                                for t in T.serial(block_size):
+                                    for c in T.unroll(queries // tile_lanes):
+                                        for lane in T.vectorized(tile_lanes):
+                                            v = T.meta_var(c * tile_lanes + lane)
+                                            m_new_t[v] = T.max(m_new_t[v], s_t[t, v])
+                                for c in T.unroll(queries // tile_lanes):
+                                    for lane in T.vectorized(tile_lanes):
+                                        v = T.meta_var(c * tile_lanes + lane)
+                                        alpha_t[v] = vector_exp(m_t[v] - m_new_t[v])
+                                        total_t[v] *= alpha_t[v]
+                                        m_t[v] = m_new_t[v]
+                                for d in T.serial(value_dim):
+                                    for c in T.unroll(queries // tile_lanes):
+                                        for lane in T.vectorized(tile_lanes):
+                                            v = T.meta_var(c * tile_lanes + lane)
+                                            acc_t[d, v] *= alpha_t[v]
+                                for t in T.serial(block_size):
+                                    for c in T.unroll(queries // tile_lanes):
+                                        for lane in T.vectorized(tile_lanes):
+                                            v = T.meta_var(c * tile_lanes + lane)
+                                            s_t[t, v] = vector_exp(s_t[t, v] - m_t[v])
+                                            total_t[v] += s_t[t, v]
+                                for d_step in T.serial(value_dim // value_step):  # value_step dimensions at once
+                                    for t in T.serial(t_lo, t_hi):  # the block's keys only: other slots may be NaN
+                                        for e in T.unroll(value_step):
+                                            for c in T.unroll(queries // tile_lanes):
+                                                for lane in T.vectorized(tile_lanes):
+                                                    d = T.meta_var(d_step * value_step + e)
+                                                    v = T.meta_var(c * tile_lanes + lane)
+                                                    acc_t[d, v] += s_t[t, v] * T.Cast(
+                                                        "float32", values[block, t, kvh, d]
+                                                    )
+                            for v in T.serial(queries):
+                                if v // group < rows:
+                                    for d in T.serial(value_dim):
+                                        out[row + v // group, kvh * group + v % group, d] = T.Cast(
+                                            dtype,
+                                            acc_t[d, v]
+                                            / total_t[v]
+                                            * (v_scale[kvh, d] if quantized else T.float32(1.0)),
+                                        )
 
     return paged_attention
+
+
+def prefill_tile_rows(group: int) -> int:
+    """Rows of a prompt chunk the CPU attention takes at once: a power of two with rows x query heads per kv head
+    near TILE_QUERIES (each key then read once for them all), at least 2."""
+    return max(2, 1 << (TILE_QUERIES // group).bit_length() - 1)
 
 
 @functools.cache
@@ -523,6 +662,7 @@ def emit_paged_attention(
         alibi_slopes is not None,
         latent,
         pool_dtype,
+        float_lanes(target) if kind == "llvm" else LANES,
     )
     per_head = [
         relax.const(np.zeros(heads, "float32")) if x is None else bb.emit(relax.op.astype(x, "float32"))
