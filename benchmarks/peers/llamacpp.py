@@ -6,13 +6,36 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 
 import llama_cpp
+import llama_cpp.llama_cpp as llama_c_api
 import numpy as np
 from llama_cpp import Llama
 from runner import parse, report
+
+# a child loads the model with llama.cpp's defaults and evaluates four tokens: on a Sapphire Rapids VM its AMX path
+# (one of its "extra buffer types", with the repacked weight layouts) dies with SIGSEGV there
+PROBE = "import sys; from llama_cpp import Llama; Llama(sys.argv[1], n_ctx=64, verbose=False).eval([1, 2, 3, 4])"
+
+
+def extra_buffers_run(model: str) -> bool:
+    """Whether llama.cpp's extra buffer types (AMX, repacked weights) evaluate on this machine without crashing."""
+    return subprocess.run([sys.executable, "-c", PROBE, model], capture_output=True).returncode == 0
+
+
+def without_extra_buffers() -> None:
+    """Load models from here on with use_extra_bufts off (llama-cpp-python does not expose it)."""
+    defaults = llama_c_api.llama_model_default_params
+
+    def params() -> llama_c_api.llama_model_params:
+        chosen = defaults()
+        chosen.use_extra_bufts = False
+        return chosen
+
+    llama_c_api.llama_model_default_params = params
 
 
 def last_logits(llm: Llama) -> np.ndarray:
@@ -51,6 +74,9 @@ def main() -> None:
     args, prompts = parse(__doc__.splitlines()[0], "GGUF file")
     longest = max(len(ids) for ids in prompts.values())
     batch = max(512, longest)  # the longest prompt goes through in one batch
+    extra_buffers = extra_buffers_run(args.model)
+    if not extra_buffers:
+        without_extra_buffers()
     llm = Llama(
         args.model,
         n_ctx=longest + args.new_tokens,
@@ -63,7 +89,7 @@ def main() -> None:
     print(f"[llamacpp] {llama_cpp.llama_print_system_info().decode().strip()}", file=sys.stderr)
     report(
         "llamacpp",
-        "llama.cpp (llama-cpp-python)",
+        "llama.cpp (llama-cpp-python)" + ("" if extra_buffers else ", extra buffer types off: they crash here"),
         llama_cpp.__version__,
         prompts,
         args,
