@@ -246,7 +246,8 @@ def attention_kernel(
     value_dims_per_thread = -(-value_dim // CUDA_THREADS)
     tile_rows = prefill_tile_rows(group)
     queries = tile_rows * group  # a tile's query vectors: its rows' query heads of one kv head
-    tile_lanes = math.gcd(queries, vector_lanes)  # a tile's loops over its queries run in vectors this wide
+    tile_lanes = math.gcd(queries, vector_lanes)  # a tile's loops over its queries run in vectors this wide,
+    chunks = queries // tile_lanes  # this many of them
     key_step, value_step = math.gcd(block_size, 4), math.gcd(value_dim, 4)  # keys / value dimensions at once
 
     def tile_logit(score, slope_v, t, t_lo, t_hi, j, pos):  # noqa: ANN001, ANN202 (TIR expressions)
@@ -484,12 +485,12 @@ def attention_kernel(
                                 # every key of the block, key_step at once (independent sums in registers); those
                                 # outside [t_lo, t_hi) are masked below, so whatever their slots hold is never used
                                 for t_step in T.serial(block_size // key_step):
-                                    for k, c in T.grid(key_step, queries // tile_lanes):
+                                    for k, c in T.grid(key_step, chunks):
                                         for lane in T.vectorized(tile_lanes):
                                             s_t[t_step * key_step + k, c * tile_lanes + lane] = T.float32(0.0)
                                     for d in T.serial(head_dim):
                                         for k in T.unroll(key_step):
-                                            for c in T.unroll(queries // tile_lanes):
+                                            for c in T.unroll(chunks):
                                                 for lane in T.vectorized(tile_lanes):
                                                     t = T.meta_var(t_step * key_step + k)
                                                     v = T.meta_var(c * tile_lanes + lane)
@@ -497,7 +498,7 @@ def attention_kernel(
                                     if latent:
                                         for d in T.serial(dv):
                                             for k in T.unroll(key_step):
-                                                for c in T.unroll(queries // tile_lanes):
+                                                for c in T.unroll(chunks):
                                                     for lane in T.vectorized(tile_lanes):
                                                         t = T.meta_var(t_step * key_step + k)
                                                         v = T.meta_var(c * tile_lanes + lane)
@@ -506,32 +507,32 @@ def attention_kernel(
                                                         )
                                 for t in T.serial(block_size):
                                     j: T.let[T.int32] = b * block_size + t
-                                    for c in T.unroll(queries // tile_lanes):
+                                    for c in T.unroll(chunks):
                                         for lane in T.vectorized(tile_lanes):
                                             v = T.meta_var(c * tile_lanes + lane)
                                             s_t[t, v] = tile_logit(s_t[t, v], slope_t[v], t, t_lo, t_hi, j, pos_t[v])
-                                for c in T.unroll(queries // tile_lanes):
+                                for c in T.unroll(chunks):
                                     for lane in T.vectorized(tile_lanes):
                                         v = T.meta_var(c * tile_lanes + lane)
                                         m_new_t[v] = m_t[v]
                                 for t in T.serial(block_size):
-                                    for c in T.unroll(queries // tile_lanes):
+                                    for c in T.unroll(chunks):
                                         for lane in T.vectorized(tile_lanes):
                                             v = T.meta_var(c * tile_lanes + lane)
                                             m_new_t[v] = T.max(m_new_t[v], s_t[t, v])
-                                for c in T.unroll(queries // tile_lanes):
+                                for c in T.unroll(chunks):
                                     for lane in T.vectorized(tile_lanes):
                                         v = T.meta_var(c * tile_lanes + lane)
                                         alpha_t[v] = vector_exp(m_t[v] - m_new_t[v])
                                         total_t[v] *= alpha_t[v]
                                         m_t[v] = m_new_t[v]
                                 for d in T.serial(value_dim):
-                                    for c in T.unroll(queries // tile_lanes):
+                                    for c in T.unroll(chunks):
                                         for lane in T.vectorized(tile_lanes):
                                             v = T.meta_var(c * tile_lanes + lane)
                                             acc_t[d, v] *= alpha_t[v]
                                 for t in T.serial(block_size):
-                                    for c in T.unroll(queries // tile_lanes):
+                                    for c in T.unroll(chunks):
                                         for lane in T.vectorized(tile_lanes):
                                             v = T.meta_var(c * tile_lanes + lane)
                                             s_t[t, v] = vector_exp(s_t[t, v] - m_t[v])
@@ -539,7 +540,7 @@ def attention_kernel(
                                 for d_step in T.serial(value_dim // value_step):  # value_step dimensions at once
                                     for t in T.serial(t_lo, t_hi):  # the block's keys only: other slots may be NaN
                                         for e in T.unroll(value_step):
-                                            for c in T.unroll(queries // tile_lanes):
+                                            for c in T.unroll(chunks):
                                                 for lane in T.vectorized(tile_lanes):
                                                     d = T.meta_var(d_step * value_step + e)
                                                     v = T.meta_var(c * tile_lanes + lane)
