@@ -250,11 +250,15 @@ def attention_kernel(
     chunks = queries // tile_lanes  # this many of them
     key_step, value_step = math.gcd(block_size, 4), math.gcd(value_dim, 4)  # keys / value dimensions at once
 
+    def capped(score):  # noqa: ANN001, ANN202 (a TIR expression)
+        """softcap * tanh(score / softcap)."""
+        return T.tanh(score * T.float32(1.0 / softcap)) * T.float32(softcap)
+
     def tile_logit(score, slope_v, t, t_lo, t_hi, j, pos):  # noqa: ANN001, ANN202 (TIR expressions)
         """The logit of a tile's query at key j (the query row at position pos): capped, ALiBi's bias added; NEG
         outside the block's keys [t_lo, t_hi), after pos or before the row's window."""
         if softcap > 0:
-            score = T.tanh(score * T.float32(1.0 / softcap)) * T.float32(softcap)
+            score = capped(score)
         if alibi:
             score = score + slope_v * T.Cast("float32", j - pos)
         valid = tirx.all(t_lo <= t, t < t_hi, j <= pos, *([pos - window < j] if window > 0 else []))
@@ -327,7 +331,7 @@ def attention_kernel(
                                 if latent:
                                     _dot(dot, q_s, head_dim, v_pool, block_of[tx], j % block_size, h // group, dv)
                                 if softcap > 0:
-                                    dot[0] = T.tanh(dot[0] * T.float32(1.0 / softcap)) * T.float32(softcap)
+                                    dot[0] = capped(dot[0])
                                 if alibi:
                                     dot[0] += slope[h] * T.Cast("float32", j - pos)
                             score[tx] = dot[0]
@@ -381,7 +385,7 @@ def attention_kernel(
                     lead: T.let[T.int32] = offset - offset % tile_rows  # the first row of this row's tile
                     rows: T.let[T.int32] = T.min(tile_rows, query_start[seq[0] + 1] - query_start[seq[0]] - lead)
                     if rows == 1:  # a decode row (or a chunk's last, alone in its tile)
-                        pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
+                        pos: T.let[T.int32] = past_lens[seq[0]] + offset
                         lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
                         for g in T.serial(group):
                             m[g] = sink[kvh * group + g] if sinks else T.float32(NEG)
@@ -415,9 +419,7 @@ def attention_kernel(
                                         if lanes >= 2:
                                             score[g, t] += part[g, 1]
                                         if softcap > 0:
-                                            score[g, t] = T.tanh(score[g, t] * T.float32(1.0 / softcap)) * T.float32(
-                                                softcap
-                                            )
+                                            score[g, t] = capped(score[g, t])
                                         if alibi:
                                             score[g, t] += slope[kvh * group + g] * T.Cast(
                                                 "float32", b * block_size + t - pos
