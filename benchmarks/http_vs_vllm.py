@@ -2,16 +2,16 @@
 
 The workload is vLLM's `bench serve` (benchmarks/peers/vllm_serving.py, run from the vLLM venv against each server in
 turn): random prompts of 100 tokens, 128 output tokens each (EOS ignored), 48 requests, 16 at a time, streamed from
-/v1/completions; the client runs on the same machine. llmlower serves an ONNX artifact of the model (--quant,
-compiled once into --artifacts) with max_num_seqs = --concurrency; vLLM's server the model's checkpoint in
+/v1/completions; the client runs on the same machine. llmlower serves an artifact of the model (--backend onnx or
+tvm, --quant; compiled once into --artifacts) with max_num_seqs = --concurrency; vLLM's server the model's checkpoint in
 runner.native_dtype() (bf16 only where the CPU computes it). Both listen on 127.0.0.1 only and get --threads.
 Prints output tokens/s, TTFT p50/p99, TPOT p50 and inter-token p50/p99 for each, and the ratios the targets use.
 With --rounds N the two servers take turns N times, each round starting with the one that went second before (on a
 shared VM the machine drifts within minutes), and the ratios' medians over the rounds close the report.
 
     bash benchmarks/peers/setup.sh vllm
-    .venv/bin/python benchmarks/http_vs_vllm.py [--model example] [--quant q4mix] [--requests 48] [--concurrency 16]
-        [--threads 2] [--rounds 1] [--artifacts DIR] [--json FILE]
+    .venv/bin/python benchmarks/http_vs_vllm.py [--model example] [--backend onnx] [--quant q4mix] [--requests 48]
+        [--concurrency 16] [--threads 2] [--rounds 1] [--artifacts DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -100,6 +100,9 @@ def describe(ratio: dict[str, float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="example")
+    parser.add_argument(
+        "--backend", default="onnx", choices=("onnx", "tvm"), help="llmlower's backend for its artifact"
+    )
     parser.add_argument("--quant", default="q4mix", help="llmlower's build_pipeline quant for its artifact")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -112,9 +115,10 @@ def main() -> None:
         raise SystemExit(f"{VLLM_PYTHON} is missing: run `bash benchmarks/peers/setup.sh vllm` first")
     checkpoint = resolve_model(args.model)  # a checkpoint directory: vLLM reads it, and its tokenizer files
     args.tokenizer = checkpoint
-    artifact = ensure_artifact(str(checkpoint), "onnx", {"quant": args.quant}, args.artifacts / f"onnx-{args.quant}")
+    directory = args.artifacts / f"{args.backend}-{args.quant}"
+    artifact = ensure_artifact(str(checkpoint), args.backend, {"quant": args.quant}, directory)
     ceilings = machine_ceilings("cpu")
-    ours_name, theirs_name = f"llmlower serve (onnx {args.quant})", f"vLLM server ({native_dtype()})"
+    ours_name, theirs_name = f"llmlower serve ({args.backend} {args.quant})", f"vLLM server ({native_dtype()})"
     servers = [(ours_name, llmlower_command, artifact), (theirs_name, vllm_command, checkpoint)]
     rounds = []
     for index in range(args.rounds):

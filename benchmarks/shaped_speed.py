@@ -9,12 +9,12 @@ configuration, 135 M parameters).
 
 Rows: batch-1 decode tokens/s (64 greedy tokens after a 13-token prompt), TTFT of 512- and 2,048-token prompts
 (speed.py's loop), 16 requests of 100 prompt tokens and 128 new tokens each, all at once (vLLM's offline workload:
-output tokens / wall time); for each engine the bytes a decoded token reads and the share of the machine's measured
-bandwidth its decode reaches. Peers, set up by benchmarks/peers/setup.sh: llama.cpp (its own converter, then its
-quantizer: --llamacpp Q4_0,Q4_K_M), ONNX Runtime GenAI's builder (its CPU int4 defaults: --genai) and vLLM's CPU
-build (--vllm: bf16 where the CPU computes it, else float32). Bytes a token reads: llmlower from the roofline cost
-model on the artifact's own pipeline (the chosen experts only), peers from their model files (dense shapes only:
-their files hold every expert).
+output tokens / wall time; prefix caching off, so each repeat prefills again); for each engine the bytes a decoded
+token reads and the share of the machine's measured bandwidth its decode reaches. Peers, set up by
+benchmarks/peers/setup.sh: llama.cpp (its own converter, then its quantizer: --llamacpp Q4_0,Q4_K_M), ONNX Runtime
+GenAI's builder (its CPU int4 defaults: --genai) and vLLM's CPU build (--vllm: bf16 where the CPU computes it, else
+float32). Bytes a token reads: llmlower from the roofline cost model on the artifact's own pipeline (the chosen
+experts only), peers from their model files (dense shapes only: their files hold every expert).
 
     .venv/bin/python benchmarks/shaped_speed.py [--shape llama-1b] [--quants q4mix,q4g32-sym] [--lm-head-bits 4]
         [--scale-dtypes auto,float16] [--backends onnx] [--llamacpp Q4_0] [--genai] [--vllm] [--new-tokens 64]
@@ -311,7 +311,10 @@ def main() -> None:
         print(f"[shaped] {name}: batch 1", file=sys.stderr)
         row = measure(*llmlower_executor(engine.executor), prompts, args.new_tokens, args.repeats)
         del engine
-        many = Engine.load(directory, max_num_seqs=OFFLINE_REQUESTS, max_context=256, threads=args.threads)
+        # prefix caching off, as vllm_offline.py runs vLLM: each repeat prefills its prompts again
+        many = Engine.load(
+            directory, max_num_seqs=OFFLINE_REQUESTS, max_context=256, threads=args.threads, enable_prefix_caching=False
+        )
         print(f"[shaped] {name}: {OFFLINE_REQUESTS} requests", file=sys.stderr)
         runs = [offline_throughput(many, offline) for _ in range(args.repeats)]
         row[OFFLINE] = statistics.median(runs)

@@ -1,7 +1,8 @@
 """Decode speed, TTFT and offline throughput of vLLM's CPU build on token prompts; prints one JSON line (see
 docs/benchmarks.md). Offline: OFFLINE_REQUESTS prompts of OFFLINE_PROMPT tokens (cut from the longest prompt), all
 submitted at once, OFFLINE_NEW greedy tokens each: output tokens / wall time, the median over repeats. In
-runner.native_dtype(): bf16 only where the CPU computes it.
+runner.native_dtype(): bf16 only where the CPU computes it. Prefix caching off: every repeat prefills its prompts
+again (with it on, vLLM's default, a repeated prompt's TTFT is a cache hit).
 
 .venv-vllm/bin/python vllm_offline.py --model CHECKPOINT --prompts P.json [--new-tokens N] [--repeats N] [--threads N]
 """
@@ -25,7 +26,8 @@ def main() -> None:
 
     longest = max(len(ids) for ids in prompts.values())
     dtype = native_dtype()
-    llm = LLM(args.model, dtype=dtype, max_model_len=max(longest, OFFLINE_PROMPT) + OFFLINE_NEW + 8, seed=0)
+    context = max(longest, OFFLINE_PROMPT) + OFFLINE_NEW + 8
+    llm = LLM(args.model, dtype=dtype, max_model_len=context, seed=0, enable_prefix_caching=False)
 
     def run(batch: list[list[int]], new_tokens: int) -> float:
         """Seconds to generate `new_tokens` greedy tokens (EOS ignored) for every prompt of `batch` at once."""
