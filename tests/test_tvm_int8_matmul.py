@@ -35,12 +35,14 @@ SCHEMES = {  # --quant name: the scheme and the kernel's kind of zero points
 
 
 def _instructions() -> list[Int8Dot]:
-    """MADDUBS everywhere on x86, VNNI where this CPU has it, each at every vector width up to this CPU's widest."""
+    """MADDUBS everywhere on x86, VNNI where this CPU has it, each at every vector width up to this CPU's widest;
+    and AMX's tiles (for calls of many rows) where it has them."""
     here = int8_dot_product(tvm_target("cpu"))
     if here is None:
         return []
     kinds = [MADDUBS] + ([VNNI] if here.kind == VNNI else [])
-    return [Int8Dot(kind, width) for kind in kinds for width in (16, 32, 64) if width <= here.widest]
+    dots = [Int8Dot(kind, width) for kind in kinds for width in (16, 32, 64) if width <= here.widest]
+    return dots + ([here] if here.amx else [])
 
 
 @functools.cache
@@ -106,9 +108,9 @@ def _cases() -> list[tuple[Int8Dot, str]]:
 @x86
 @pytest.mark.parametrize(("dot", "quant"), _cases(), ids=str)
 def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
-    """One row (decode) and eleven (a tile of rows and the rest one by one), each row as the reference computes it,
-    and off the float kernel by the rounding of x only. Groups of 32 take 576 features: 18 groups, which 64-byte
-    vectors of four 4-bit groups do not divide."""
+    """One row (decode), eleven (a tile of rows and the rest one by one) and 37 (with AMX: two tiles of 16 rows and
+    a short one), each row as the reference computes it, and off the float kernel by the rounding of x only. Groups
+    of 32 take 576 features: 18 groups, which 64-byte vectors of four 4-bit groups do not divide."""
     scheme, zeros = SCHEMES[quant]
     in_features = 576 if scheme.group in (0, 32) else 512
     rounded = scheme.group or in_features  # the features x is rounded in: per channel, the whole row
@@ -119,7 +121,7 @@ def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
     bias = torch.randn(out_features, generator=gen).numpy()
     zero = _zero_points(scheme, q.zeros, in_features // rounded)
     weights = _unpacked(tensors[0], scheme.bits)
-    for rows in (1, 11):
+    for rows in (1, 11, 37):
         x = (torch.randn(rows, in_features, generator=gen) * 3).numpy()
         if rounded < in_features or rows > 1:  # a group of zeros (per channel: a whole row): scale 0, no division
             x[-1, :rounded] = 0
@@ -157,16 +159,16 @@ def test_what_the_int8_path_does_not_take_stays_in_float32(scheme, kinds):
 @pytest.mark.parametrize("quant", ["q4g32-sym", "q4g32", "q8"])
 def test_float16_scales_give_what_the_same_scales_in_float32_give(quant):
     """Scales (and float zero points) read as float16 and widened in the kernel: the float32 kernel's results on the
-    same values, bit for bit, on the float kernel and the int8 one (one row and a tile)."""
+    same values, bit for bit, on the float kernel and the int8 one (one row, a tile, and AMX's many rows)."""
     scheme, zeros = SCHEMES[quant]
     gen = torch.Generator().manual_seed(4)
     q = quantize(torch.randn(64, 576, generator=gen) * 0.05, QuantScheme(**{**vars(scheme), "scale_dtype": "float16"}))
     narrow = [t.numpy() for t in (q.qweight, q.scales, q.zeros) if t is not None]
     wide = [narrow[0], *(t.astype("float32") for t in narrow[1:])]
     bias = torch.randn(64, generator=gen).numpy()
-    x = torch.randn(5, 576, generator=gen).numpy()
-    for dot in [None, *_instructions()[-1:]]:  # the float kernel, and this CPU's widest int8 dot product
-        for rows in (x[:1], x):
+    x = torch.randn(37, 576, generator=gen).numpy()
+    for dot in [None, *_instructions()[-1:]]:  # the float kernel, and this CPU's widest int8 dot product (or AMX)
+        for rows in (x[:1], x[:5], x):
             np.testing.assert_array_equal(
                 _run_kernel(dot, rows, narrow, scheme.bits, zeros, bias),
                 _run_kernel(dot, rows, wide, scheme.bits, zeros, bias),

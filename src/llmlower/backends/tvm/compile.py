@@ -13,6 +13,8 @@ microarchitecture level: `--cpu x86-64-v2` (SSE4.2, POPCNT, CX16: x86 CPUs since
 (adds AVX2, FMA, BMI2, F16C, MOVBE: Intel Haswell 2013+, AMD Zen 2017+) or `--cpu x86-64-v4` (adds AVX-512
 F/BW/CD/DQ/VL). `--cpu` takes any CPU name LLVM knows for this machine's triple (znver3, skylake-avx512, ...)
 and refuses others before compiling; for `--target cuda` it names the CPU of the host code (default generic).
+Built for this machine, the target also takes the AMX features /proc/cpuinfo lists (host_extra_features): a VM
+may hide the CPU model LLVM names CPUs by, and with it AMX.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tvm.s_tir import dlight
 from tvm.support import nvcc
 
 from ...errors import LlmlowerError
+from ...runtime.cpu_features import host_cpu_flags
 from .cpu_schedule import WeightRowMatmul
 from .low_batch import SimtMatmul, low_batch_dispatch
 
@@ -36,6 +39,7 @@ TARGETS = ("cpu", "cuda")
 # compiled: the Relax VM's functions (a step's ~850 kernel calls, shapes and allocations) become native code;
 # bytecode: the VM interprets them, which lets a per-call instrument time each call (benchmarks/profile_step.py)
 VM_EXEC_MODES = ("compiled", "bytecode")
+HOST_EXTRAS = {"amx-tile": "amx_tile", "amx-int8": "amx_int8"}  # LLVM feature -> /proc/cpuinfo flag
 CUDA_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 DEFAULT_CUDA_ARCH = "sm_80"
 
@@ -102,6 +106,13 @@ def host_cpu() -> str:
     return tvm.target.codegen.llvm_get_system_cpu()
 
 
+def host_extra_features() -> list[str]:
+    """Features (LLVM's -mattr) this CPU has that LLVM's name for it may leave out: AMX's int8 tiles, which the
+    int8 kernel's many-row calls take (a VM that hides its CPU model gets Sapphire Rapids named rocketlake)."""
+    flags = host_cpu_flags() or set()
+    return [f"+{feature}" for feature, flag in HOST_EXTRAS.items() if flag in flags]
+
+
 def cpu_manifest(target: tvm.target.Target) -> dict[str, object]:
     """What the library's CPU code was built for: the LLVM triple, the CPU (-mcpu) and every feature LLVM enables
     for it (ISA extensions such as avx2 or avx512f, and tuning flags), for the runtime's check of the host."""
@@ -118,7 +129,8 @@ def tvm_target(target: str, cuda_arch: str | None = None, cpu: str | None = None
     with generic llvm host code for the kernel launches."""
     check_target(target, cuda_arch)
     if target == "cpu":
-        return tvm.target.Target({"kind": "llvm", "mcpu": cpu or host_cpu()})
+        extras = {} if cpu else {"mattr": host_extra_features()}  # a named CPU: exactly its features
+        return tvm.target.Target({"kind": "llvm", "mcpu": cpu or host_cpu(), **extras})
     host = {"kind": "llvm", **({"mcpu": cpu} if cpu else {})}  # the GPU machine's CPU is not this one
     return tvm.target.Target({"kind": "cuda", "arch": cuda_arch or DEFAULT_CUDA_ARCH, "host": host})
 

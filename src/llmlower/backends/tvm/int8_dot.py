@@ -23,10 +23,12 @@ _MADDUBS = {  # bytes -> (u8 x s8 pair sums into int16, int16 pair sums into int
 
 @dataclass(frozen=True)
 class Int8Dot:
-    """An int8 dot-product instruction (VNNI or MADDUBS) and the widest vector, in bytes, it runs on here."""
+    """An int8 dot-product instruction (VNNI or MADDUBS), the widest vector, in bytes, it runs on here, and whether
+    the CPU also has AMX's int8 tiles (many-row calls: qlinear_amx)."""
 
     kind: str
     widest: int
+    amx: bool = False
 
 
 def int8_dot_product(target: tvm.target.Target) -> Int8Dot | None:
@@ -35,7 +37,7 @@ def int8_dot_product(target: tvm.target.Target) -> Int8Dot | None:
         return None
     features = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target)}
     if {"avx512vnni", "avx512vl"} <= features:
-        return Int8Dot(VNNI, 64)
+        return Int8Dot(VNNI, 64, amx={"amx-tile", "amx-int8"} <= features)
     if "avxvnni" in features:
         return Int8Dot(VNNI, 32)
     if "ssse3" not in features:

@@ -9,7 +9,8 @@ CPU has (a 64-byte vector holds four groups of 32 4-bit weights), so that the fl
 whole vectors too: a vector's weight scales (and float zero points; float32 or float16) are read by one load and
 spread over its lanes by one shuffle, shared by the tile's rows, and each x row's scales and sums once per call. One
 row (decode) is bound by memory, many (prompts, many streams) by the int8 instructions; converting every weight to
-float32, the float kernel was bound by those conversions at both."""
+float32, the float kernel was bound by those conversions at both. Where the CPU has AMX's int8 tiles, calls of
+MIN_ROWS rows or more take qlinear_amx's tiles instead (the same rounded integers)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tvm.script import tirx as T
 
 from .int8_dot import VNNI, Int8Dot, dot_u8_s8
 from .paged_kernels import ATTRS
+from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_of
 
 TILE = 4  # activation rows a weight vector is multiplied with while it is in a register (8 accumulators)
 
@@ -64,7 +66,7 @@ def zero_point(zeros: str, bits: int, zero_buffer: tirx.Buffer, n: tirx.PrimExpr
 
 
 class Operands(NamedTuple):
-    """The kernel's buffers, passed to its macros as one."""
+    """The kernel's buffers, passed to its macros as one: the call's, then each path's own."""
 
     x: tirx.Buffer
     weight: tirx.Buffer  # uint8 [N, groups * bytes per group]: a row's groups one after another
@@ -72,11 +74,14 @@ class Operands(NamedTuple):
     zeros: tirx.Buffer
     bias: tirx.Buffer
     out: tirx.Buffer
-    x_even: tirx.Buffer  # int8 [rows, ...]: x rounded (4-bit weights: each group's even features, low nibbles)
-    x_odd: tirx.Buffer  # 4-bit weights: the odd features (high nibbles)
-    x_scale: tirx.Buffer  # [rows, groups * group lanes]: each group's scale, in every lane the group takes
-    x_sums: tirx.Buffer  # [rows, groups * group lanes]: the sum of the rounded x each lane multiplies
     x_max: tirx.Buffer  # [rows]
+    x_even: tirx.Buffer | None = None  # int8 [rows, ...]: x rounded (4-bit weights: each group's even features)
+    x_odd: tirx.Buffer | None = None  # 4-bit weights: the odd features (high nibbles)
+    x_scale: tirx.Buffer | None = None  # [rows, groups * group lanes]: each group's scale, in every lane it takes
+    x_sums: tirx.Buffer | None = None  # [rows, groups * group lanes]: the sum of the rounded x each lane multiplies
+    x_tiles: tirx.Buffer | None = None  # AMX: [tiles * 16 * in_features] int8, x rounded in tiles (qlinear_amx)
+    x_scale_t: tirx.Buffer | None = None  # AMX: [groups, tiles * 16]: each group's scale, row by row
+    x_sums_t: tirx.Buffer | None = None  # AMX: [groups, tiles * 16]: the sum of each group's rounded x
 
 
 @functools.cache
@@ -104,6 +109,18 @@ def int8_kernel(
     task_rows = next(r for r in (64, 32, 16, 8, 4, 2, 1) if out_features % r == 0)  # weight rows a thread takes
     half = group // 2
     zero_shape, zero_dtype = zero_layout(zeros, out_features, groups, scale_dtype)
+    amx = amx_shape(bits, group, out_features) if int8_dot.amx else None
+    if amx is not None:
+        round_row_to_tiles, amx_weight_rows, ask_for_tiles = amx_macros(
+            amx,
+            group,
+            groups,
+            in_features,
+            bits,
+            lambda k, n, g: zero_point(zeros, bits, k.zeros, n, g),
+            lambda k, n, g: T.Cast("float32", k.scales[n, g]),
+            lambda k, n: k.bias[n] if bias else T.float32(0),
+        )
 
     def rounded_x(k, i, at):  # the rounded x row i has at weight byte `at` (4-bit: both nibbles'), summed
         if bits == 4:
@@ -196,6 +213,26 @@ def int8_kernel(
         for r in T.unroll(rows):
             k.out[(first + r) // b, (first + r) % b, n] = lane_total(k, acc, r, n)
 
+    @T.macro
+    def vector_rows(k, rows, b):  # every row on vector instructions
+        if rows == 1:  # decode: no thread pool for one row
+            round_row(k, 0, b)
+        else:
+            for i in T.parallel(rows):
+                round_row(k, i, b)
+        for task in T.parallel(out_features // task_rows):
+            with T.sblock("weight_rows"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((TILE, lanes), "float32", scope="local")
+                dots = T.sblock_alloc_buffer((TILE, lanes), "int32", scope="local")
+                for t in T.serial(rows // TILE):  # a tile's rounded x stays in cache over the weight rows
+                    for row in T.serial(task_rows):
+                        rows_of(k, acc, dots, task * task_rows + row, t * TILE, b, TILE)
+                for i in T.serial(rows % TILE):  # the rest (decode's one row) one at a time
+                    for row in T.serial(task_rows):
+                        rows_of(k, acc, dots, task * task_rows + row, rows // TILE * TILE + i, b, 1)
+
     @T.prim_func(s_tir=True, private=True)
     def qlinear_int8(x_h: T.handle, w_h: T.handle, s_h: T.handle, z_h: T.handle, b_h: T.handle, out_h: T.handle):
         T.func_attr(ATTRS)
@@ -210,30 +247,30 @@ def int8_kernel(
         with T.sblock("root"):
             T.reads()
             T.writes()
-            x_even = T.sblock_alloc_buffer((a * b, in_features // 2 if bits == 4 else in_features), "int8")
-            x_odd = T.sblock_alloc_buffer((a * b, in_features // 2), "int8")
-            x_scale = T.sblock_alloc_buffer((a * b, groups * group_lanes), "float32")
-            x_sums = T.sblock_alloc_buffer((a * b, groups * group_lanes), "float32")
             x_max = T.sblock_alloc_buffer((a * b,), "float32")
-            k = T.meta_var(
-                Operands(x, weight, scales, zero_buffer, bias_buffer, out, x_even, x_odd, x_scale, x_sums, x_max)
-            )
-            if a * b == 1:  # decode: no thread pool for one row
-                round_row(k, 0, b)
-            else:
-                for i in T.parallel(a * b):
-                    round_row(k, i, b)
-            for task in T.parallel(out_features // task_rows):
-                with T.sblock("weight_rows"):
+            operands = T.meta_var(Operands(x, weight, scales, zero_buffer, bias_buffer, out, x_max))
+            if amx is not None and a * b >= MIN_ROWS:  # many rows on AMX tiles
+                with T.sblock("amx"):
                     T.reads()
                     T.writes()
-                    acc = T.sblock_alloc_buffer((TILE, lanes), "float32", scope="local")
-                    dots = T.sblock_alloc_buffer((TILE, lanes), "int32", scope="local")
-                    for t in T.serial(a * b // TILE):  # a tile's rounded x stays in cache over the weight rows
-                        for row in T.serial(task_rows):
-                            rows_of(k, acc, dots, task * task_rows + row, t * TILE, b, TILE)
-                    for i in T.serial(a * b % TILE):  # the rest (decode's one row) one at a time
-                        for row in T.serial(task_rows):
-                            rows_of(k, acc, dots, task * task_rows + row, a * b // TILE * TILE + i, b, 1)
+                    x_tiles = T.sblock_alloc_buffer((tiles_of(a * b) * TILE_ROWS * in_features,), "int8")
+                    x_scale_t = T.sblock_alloc_buffer((groups, tiles_of(a * b) * TILE_ROWS), "float32")
+                    x_sums_t = T.sblock_alloc_buffer((groups, tiles_of(a * b) * TILE_ROWS), "float32")
+                    k = T.meta_var(operands._replace(x_tiles=x_tiles, x_scale_t=x_scale_t, x_sums_t=x_sums_t))
+                    ask_for_tiles()
+                    for i in T.parallel(a * b):
+                        round_row_to_tiles(k, i, b)
+                    for task in T.parallel(out_features // TILE_ROWS):
+                        amx_weight_rows(k, task, a * b, b)
+            else:
+                with T.sblock("vector"):
+                    T.reads()
+                    T.writes()
+                    x_even = T.sblock_alloc_buffer((a * b, in_features // 2 if bits == 4 else in_features), "int8")
+                    x_odd = T.sblock_alloc_buffer((a * b, in_features // 2), "int8")
+                    x_scale = T.sblock_alloc_buffer((a * b, groups * group_lanes), "float32")
+                    x_sums = T.sblock_alloc_buffer((a * b, groups * group_lanes), "float32")
+                    k = T.meta_var(operands._replace(x_even=x_even, x_odd=x_odd, x_scale=x_scale, x_sums=x_sums))
+                    vector_rows(k, a * b, b)
 
     return qlinear_int8

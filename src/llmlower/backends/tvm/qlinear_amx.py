@@ -1,0 +1,178 @@
+"""AMX tiles for the int8 kernel's many-row calls (prompt chunks, many-stream steps) on CPUs that have them (amx-tile
+and amx-int8: Intel Sapphire Rapids and later). One tdpbusd multiplies a tile of 16 weight rows (unsigned bytes, up
+to 64 deep) by a tile of 16 rows of x (signed bytes, four deep in each 32-bit lane: AMX's VNNI layout) into 16 x 16
+int32 sums, where AVX-512's vpdpbusd makes 16; a group's sums then take its scales and zero point in float vectors,
+16 rows of x at a time, as qlinear_int8's vector kernel does lane by lane.
+
+x is rounded per group exactly as the vector kernel rounds it (the same integers: the two paths differ by float
+summation order only) and stored in tiles of 16 rows, each group's features in stream order: for 4-bit weights its
+even features (the low nibbles) then its odd ones, for 8-bit weights as they come. A task (16 weight rows) unpacks its
+4-bit weights into bytes in that order once, for every tile of x; 8-bit weights are read in place. Linux hands a
+process the tiles' state only when asked (arch_prctl), so each call asks first: once granted, a cheap no-op."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+TILE_ROWS = 16  # rows of every tile: weight rows of A, x rows of B (as 4-byte lanes), both of C
+MAX_DEPTH = 64  # bytes of a row of an A tile: the reduction one tdpbusd takes
+MIN_ROWS = 16  # calls with fewer rows of x stay on the vector kernel (decode's one row is bound by memory)
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
+C_TILE, A_TILE, B_TILE = 0, 2, 3  # the first of two C tiles (0, 1), A (2, 4) and B (3, 5) tiles
+
+
+class AmxShape(NamedTuple):
+    """How a group's weights split into tile multiplies."""
+
+    streams: int  # 2 for 4-bit weights (low nibbles, then high), 1 for 8-bit
+    stream_bytes: int  # a group's features in one stream
+    depth: int  # bytes of one multiply's A rows: a whole fraction of a group, its streams one after another
+
+
+def amx_shape(bits: int, group: int, out_features: int) -> AmxShape | None:
+    """The split of a group for AMX, or None where the layer does not take it (weight rows not in tiles of 16, a
+    group not in multiplies of whole 4-byte lanes)."""
+    depth = next((d for d in range(MAX_DEPTH, 0, -4) if group % d == 0), None)  # the deepest multiply that fits
+    if out_features % TILE_ROWS or depth is None:
+        return None
+    streams = 2 if bits == 4 else 1
+    return AmxShape(streams, group // streams, depth)
+
+
+def tiles_of(rows: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Tiles of x holding `rows` rows (the last one padded)."""
+    return (rows + TILE_ROWS - 1) // TILE_ROWS
+
+
+def tile_rows(t: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The rows of x in tile t, as a vector index."""
+    return T.ramp(t * TILE_ROWS, 1, TILE_ROWS)
+
+
+def _intrinsic(name: str, *args: tirx.PrimExpr) -> None:
+    T.evaluate(T.call_llvm_intrin("void", f"llvm.x86.{name}", *args))
+
+
+def tile_position(shape: AmxShape, in_features: int, p: tirx.PrimExpr, row: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Where feature `p` (in stream order) of x row `row` sits among the tiles: its tile of 16 rows, in it the
+    multiplies of `depth` bytes one after another, each depth / 4 rows of 64 bytes (the 16 rows' four bytes side by
+    side)."""
+    depth = shape.depth
+    within = p // depth * depth * TILE_ROWS + p % depth // 4 * 64 + row % TILE_ROWS * 4 + p % 4
+    return row // TILE_ROWS * TILE_ROWS * in_features + within
+
+
+def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits: int, zero_of, scale_of, bias_of):
+    """The AMX path's three steps as TIR macros over the kernel's operands (qlinear_int8.Operands: x_tiles
+    [tiles * 16 * in_features] int8, x_scale_t and x_sums_t [groups, tiles * 16] float32 among them):
+    round_row_to_tiles(k, i, b), weight_rows(k, task, rows, b) and ask_for_tiles(). zero_of(k, n, g), scale_of(k, n,
+    g) and bias_of(k, n): weight row n's group g zero point and scale, and its bias, as float32."""
+    streams, stream_bytes, depth = shape
+    per_group = group * bits // 8
+    unpack = bits == 4
+
+    @T.macro
+    def ask_for_tiles():
+        T.evaluate(
+            T.call_extern(
+                "int64", "syscall", T.int64(SYS_ARCH_PRCTL), T.int64(ARCH_REQ_XCOMP_PERM), T.int64(XFEATURE_XTILEDATA)
+            )
+        )
+
+    @T.macro
+    def round_row_to_tiles(k, i, b):  # row i of x rounded per group into its tile, its scales and sums per group
+        for g in T.serial(groups):
+            k.x_max[i] = T.float32(0)
+            for j in T.serial(group):
+                k.x_max[i] = T.max(k.x_max[i], T.fabs(k.x[i // b, i % b, g * group + j]))
+            inverse: T.let[T.float32] = T.if_then_else(
+                k.x_max[i] > T.float32(0), T.float32(127) / k.x_max[i], T.float32(0)
+            )
+            k.x_scale_t[g, i] = k.x_max[i] / T.float32(127)
+            k.x_sums_t[g, i] = T.float32(0)
+            for s in T.serial(streams):
+                for j in T.serial(stream_bytes):
+                    rounded: T.let[T.int8] = T.Cast(
+                        "int8", T.nearbyint(k.x[i // b, i % b, g * group + j * streams + s] * inverse)
+                    )
+                    k.x_tiles[tile_position(shape, in_features, g * group + s * stream_bytes + j, i)] = rounded
+                    k.x_sums_t[g, i] += T.Cast("float32", rounded)
+
+    @T.macro
+    def configure(config):  # palette 1: two of each, C 16 rows of 16 int32, A 16 rows of `depth` bytes, B depth / 4
+        for byte in T.serial(64):  # rows of 64
+            config[byte] = T.uint8(0)
+        config[0] = T.uint8(1)
+        for tiles in T.unroll(2):  # a row's bytes at 16 + 2 x tile (16-bit, little-endian), its rows at 48 + tile
+            config[16 + 2 * (C_TILE + tiles)] = T.uint8(64)
+            config[48 + C_TILE + tiles] = T.uint8(TILE_ROWS)
+            config[16 + 2 * (A_TILE + 2 * tiles)] = T.uint8(depth)
+            config[48 + A_TILE + 2 * tiles] = T.uint8(TILE_ROWS)
+            config[16 + 2 * (B_TILE + 2 * tiles)] = T.uint8(64)
+            config[48 + B_TILE + 2 * tiles] = T.uint8(depth // 4)
+        _intrinsic("ldtilecfg", T.address_of(config[0]))
+
+    @T.macro
+    def multiply(k, tiles, unpacked, first, t, g):  # C tile `tiles` = group g of the 16 weight rows x tile t of x
+        _intrinsic("tilezero", T.int8(C_TILE + tiles))
+        for q in T.serial(group // depth):
+            at = T.meta_var(g * group + q * depth)  # in stream order: unpacked bytes, 8-bit weights
+            if unpack:
+                weights = T.meta_var(T.address_of(unpacked[0, at]))
+            else:  # 8-bit weights: a group's bytes are its features, in place
+                weights = T.meta_var(T.address_of(k.weight[first, at]))
+            x_rows = T.meta_var(T.address_of(k.x_tiles[(t * in_features + at) * TILE_ROWS]))
+            _intrinsic("tileloadd64", T.int8(A_TILE + 2 * tiles), weights, T.int64(in_features))
+            _intrinsic("tileloadd64", T.int8(B_TILE + 2 * tiles), x_rows, T.int64(64))
+            _intrinsic("tdpbusd", T.int8(C_TILE + tiles), T.int8(A_TILE + 2 * tiles), T.int8(B_TILE + 2 * tiles))
+
+    @T.macro
+    def drain(k, tiles, sums, acc, first, t, g):  # C tile `tiles`, group g's sums, into acc with its scales
+        _intrinsic("tilestored64", T.int8(C_TILE + tiles), T.address_of(sums[tiles, 0, 0]), T.int64(4 * TILE_ROWS))
+        for n in T.unroll(TILE_ROWS):
+            acc[n, T.ramp(0, 1, TILE_ROWS)] += (
+                T.Cast(f"float32x{TILE_ROWS}", sums[tiles, n, T.ramp(0, 1, TILE_ROWS)])
+                - T.broadcast(zero_of(k, first + n, g), TILE_ROWS) * k.x_sums_t[g, tile_rows(t)]
+            ) * (T.broadcast(scale_of(k, first + n, g), TILE_ROWS) * k.x_scale_t[g, tile_rows(t)])
+
+    @T.macro
+    def weight_rows(k, task, rows, b):  # out[:, task's 16 weight rows]
+        with T.sblock("amx_weight_rows"):
+            T.reads()
+            T.writes()
+            config = T.sblock_alloc_buffer((64,), "uint8", scope="local")
+            sums = T.sblock_alloc_buffer((2, TILE_ROWS, TILE_ROWS), "int32", scope="local")
+            acc = T.sblock_alloc_buffer((TILE_ROWS, TILE_ROWS), "float32", scope="local")
+            unpacked = T.sblock_alloc_buffer((TILE_ROWS, in_features if unpack else 1), "uint8")
+            configure(config)
+            first = T.meta_var(task * TILE_ROWS)
+            if unpack:  # the task's 4-bit weights as bytes, each group's low nibbles then its high ones
+                for r, g, s in T.grid(TILE_ROWS, groups, streams):
+                    for j in T.vectorized(stream_bytes):
+                        unpacked[r, g * group + s * stream_bytes + j] = (
+                            k.weight[first + r, g * per_group + j] >> T.Cast("uint8", 4 * s)
+                        ) & T.uint8(15)
+            for t in T.serial(tiles_of(rows)):
+                for n in T.unroll(TILE_ROWS):
+                    acc[n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.float32(0), TILE_ROWS)
+                # two C tiles in turn: a group's multiply runs while the previous group's sums take their scales
+                multiply(k, 0, unpacked, first, t, 0)
+                for pair in T.serial(groups // 2):
+                    multiply(k, 1, unpacked, first, t, 2 * pair + 1)
+                    drain(k, 0, sums, acc, first, t, 2 * pair)
+                    if 2 * pair + 2 < groups:
+                        multiply(k, 0, unpacked, first, t, 2 * pair + 2)
+                    drain(k, 1, sums, acc, first, t, 2 * pair + 1)
+                if groups % 2 == 1:
+                    drain(k, 0, sums, acc, first, t, groups - 1)
+                for r in T.serial(TILE_ROWS):
+                    if t * TILE_ROWS + r < rows:
+                        for n in T.serial(TILE_ROWS):
+                            row = T.meta_var(t * TILE_ROWS + r)
+                            k.out[row // b, row % b, first + n] = acc[n, r] + bias_of(k, first + n)
+            _intrinsic("tilerelease")
+
+    return round_row_to_tiles, weight_rows, ask_for_tiles
