@@ -19,6 +19,7 @@ from tvm.script import tirx as T
 
 TILE_ROWS = 16  # rows of every tile: weight rows of A, x rows of B (as 4-byte lanes), both of C
 MAX_DEPTH = 64  # bytes of a row of an A tile: the reduction one tdpbusd takes
+HALF = TILE_ROWS // 2
 MIN_ROWS = 16  # calls with fewer rows of x stay on the vector kernel (decode's one row is bound by memory)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 C_TILE, A_TILE, B_TILE = 0, 2, 3  # the first of two C tiles (0, 1), A (2, 4) and B (3, 5) tiles
@@ -100,6 +101,7 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
                     )
                     k.x_tiles[tile_position(shape, in_features, g * group + s * stream_bytes + j, i)] = rounded
                     k.x_sums_t[g, i] += T.Cast("float32", rounded)
+            k.x_sums_t[g, i] = k.x_sums_t[g, i] * k.x_scale_t[g, i]  # what a zero point of 1 takes off the group
 
     @T.macro
     def configure(config):  # palette 1: two of each, C 16 rows of 16 int32, A 16 rows of `depth` bytes, B depth / 4
@@ -130,13 +132,19 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
             _intrinsic("tdpbusd", T.int8(C_TILE + tiles), T.int8(A_TILE + 2 * tiles), T.int8(B_TILE + 2 * tiles))
 
     @T.macro
-    def drain(k, tiles, sums, acc, first, t, g):  # C tile `tiles`, group g's sums, into acc with its scales
+    def drain_half(k, tiles, sums, acc, half, first, t, g):  # half of the C tile's weight rows into acc
+        for n in T.unroll(HALF):
+            acc[n, T.ramp(0, 1, TILE_ROWS)] += T.broadcast(scale_of(k, first + half + n, g), TILE_ROWS) * (
+                T.Cast(f"float32x{TILE_ROWS}", sums[tiles, half + n, T.ramp(0, 1, TILE_ROWS)])
+                * k.x_scale_t[g, tile_rows(t)]
+                - T.broadcast(zero_of(k, first + half + n, g), TILE_ROWS) * k.x_sums_t[g, tile_rows(t)]
+            )
+
+    @T.macro
+    def drain(k, tiles, sums, low, high, first, t, g):  # C tile `tiles`, group g's sums, into acc with its scales
         _intrinsic("tilestored64", T.int8(C_TILE + tiles), T.address_of(sums[tiles, 0, 0]), T.int64(4 * TILE_ROWS))
-        for n in T.unroll(TILE_ROWS):
-            acc[n, T.ramp(0, 1, TILE_ROWS)] += (
-                T.Cast(f"float32x{TILE_ROWS}", sums[tiles, n, T.ramp(0, 1, TILE_ROWS)])
-                - T.broadcast(zero_of(k, first + n, g), TILE_ROWS) * k.x_sums_t[g, tile_rows(t)]
-            ) * (T.broadcast(scale_of(k, first + n, g), TILE_ROWS) * k.x_scale_t[g, tile_rows(t)])
+        drain_half(k, tiles, sums, low, 0, first, t, g)
+        drain_half(k, tiles, sums, high, HALF, first, t, g)
 
     @T.macro
     def weight_rows(k, task, rows, b):  # out[:, task's 16 weight rows]
@@ -145,7 +153,9 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
             T.writes()
             config = T.sblock_alloc_buffer((64,), "uint8", scope="local")
             sums = T.sblock_alloc_buffer((2, TILE_ROWS, TILE_ROWS), "int32", scope="local")
-            acc = T.sblock_alloc_buffer((TILE_ROWS, TILE_ROWS), "float32", scope="local")
+            # the sums so far of the task's weight rows (two halves, each small enough to live in registers)
+            low = T.sblock_alloc_buffer((HALF, TILE_ROWS), "float32", scope="local")
+            high = T.sblock_alloc_buffer((HALF, TILE_ROWS), "float32", scope="local")
             unpacked = T.sblock_alloc_buffer((TILE_ROWS, in_features if unpack else 1), "uint8")
             configure(config)
             first = T.meta_var(task * TILE_ROWS)
@@ -156,23 +166,25 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
                             k.weight[first + r, g * per_group + j] >> T.Cast("uint8", 4 * s)
                         ) & T.uint8(15)
             for t in T.serial(tiles_of(rows)):
-                for n in T.unroll(TILE_ROWS):
-                    acc[n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.float32(0), TILE_ROWS)
+                for n in T.unroll(HALF):
+                    low[n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.float32(0), TILE_ROWS)
+                    high[n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.float32(0), TILE_ROWS)
                 # two C tiles in turn: a group's multiply runs while the previous group's sums take their scales
                 multiply(k, 0, unpacked, first, t, 0)
                 for pair in T.serial(groups // 2):
                     multiply(k, 1, unpacked, first, t, 2 * pair + 1)
-                    drain(k, 0, sums, acc, first, t, 2 * pair)
+                    drain(k, 0, sums, low, high, first, t, 2 * pair)
                     if 2 * pair + 2 < groups:
                         multiply(k, 0, unpacked, first, t, 2 * pair + 2)
-                    drain(k, 1, sums, acc, first, t, 2 * pair + 1)
+                    drain(k, 1, sums, low, high, first, t, 2 * pair + 1)
                 if groups % 2 == 1:
-                    drain(k, 0, sums, acc, first, t, groups - 1)
-                for r in T.serial(TILE_ROWS):
+                    drain(k, 0, sums, low, high, first, t, groups - 1)
+                for r in T.unroll(TILE_ROWS):
                     if t * TILE_ROWS + r < rows:
-                        for n in T.serial(TILE_ROWS):
-                            row = T.meta_var(t * TILE_ROWS + r)
-                            k.out[row // b, row % b, first + n] = acc[n, r] + bias_of(k, first + n)
+                        row = T.meta_var(t * TILE_ROWS + r)
+                        for n in T.unroll(HALF):
+                            k.out[row // b, row % b, first + n] = low[n, r] + bias_of(k, first + n)
+                            k.out[row // b, row % b, first + HALF + n] = high[n, r] + bias_of(k, first + HALF + n)
             _intrinsic("tilerelease")
 
     return round_row_to_tiles, weight_rows, ask_for_tiles
