@@ -17,6 +17,8 @@ from typing import NamedTuple
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .int8_rounding import group_max_macro, inverse_scale
+
 TILE_ROWS = 16  # rows of every tile: weight rows of A, x rows of B (as 4-byte lanes), both of C
 MAX_DEPTH = 64  # bytes of a row of an A tile: the reduction one tdpbusd takes
 HALF = TILE_ROWS // 2
@@ -73,6 +75,7 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
     g) and bias_of(k, n): weight row n's group g zero point and scale, and its bias, as float32."""
     streams, stream_bytes, depth = shape
     per_group = group * bits // 8
+    group_max = group_max_macro(group)
     unpack = bits == 4
 
     @T.macro
@@ -86,12 +89,8 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
     @T.macro
     def round_row_to_tiles(k, i, b):  # row i of x rounded per group into its tile, its scales and sums per group
         for g in T.serial(groups):
-            k.x_max[i] = T.float32(0)
-            for j in T.serial(group):
-                k.x_max[i] = T.max(k.x_max[i], T.fabs(k.x[i // b, i % b, g * group + j]))
-            inverse: T.let[T.float32] = T.if_then_else(
-                k.x_max[i] > T.float32(0), T.float32(127) / k.x_max[i], T.float32(0)
-            )
+            group_max(k, i, b, g)
+            inverse: T.let[T.float32] = inverse_scale(k.x_max[i])
             k.x_scale_t[g, i] = k.x_max[i] / T.float32(127)
             k.x_sums_t[g, i] = T.float32(0)
             for s in T.serial(streams):

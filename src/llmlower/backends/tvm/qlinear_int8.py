@@ -21,6 +21,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .int8_dot import VNNI, Int8Dot, dot_u8_s8
+from .int8_rounding import group_max_macro, inverse_scale
 from .paged_kernels import ATTRS
 from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_of
 
@@ -108,6 +109,7 @@ def int8_kernel(
     lane_type = f"float32x{lanes}"
     task_rows = next(r for r in (64, 32, 16, 8, 4, 2, 1) if out_features % r == 0)  # weight rows a thread takes
     half = group // 2
+    group_max = group_max_macro(group)
     zero_shape, zero_dtype = zero_layout(zeros, out_features, groups, scale_dtype)
     amx = amx_shape(bits, group, out_features) if int8_dot.amx else None
     if amx is not None:
@@ -163,12 +165,8 @@ def int8_kernel(
     @T.macro
     def round_row(k, i, b):  # row i of x rounded per group, with its scales and sums spread over the lanes
         for g in T.serial(groups):
-            k.x_max[i] = T.float32(0)
-            for j in T.serial(group):
-                k.x_max[i] = T.max(k.x_max[i], T.fabs(k.x[i // b, i % b, g * group + j]))
-            inverse: T.let[T.float32] = T.if_then_else(
-                k.x_max[i] > T.float32(0), T.float32(127) / k.x_max[i], T.float32(0)
-            )
+            group_max(k, i, b, g)
+            inverse: T.let[T.float32] = inverse_scale(k.x_max[i])
             if bits == 4:
                 for j in T.serial(half):
                     k.x_even[i, g * half + j] = T.Cast(

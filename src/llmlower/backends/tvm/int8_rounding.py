@@ -1,0 +1,25 @@
+"""x rounded to int8 per group of features, as both int8 kernels round it (qlinear_int8's vectors, qlinear_amx's
+tiles): each group's scale is max|x| / 127, and a value rounds to the nearest integer of x * 127 / max|x| (ties to
+even), so the two paths multiply the same integers."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+
+def group_max_macro(group: int):
+    """A macro group_max(k, i, b, g): k.x_max[i] = max |x| over group g of row i of x [a, b, K]."""
+
+    @T.macro
+    def group_max(k, i, b, g):
+        k.x_max[i] = T.float32(0)
+        for j in T.serial(group):
+            k.x_max[i] = T.max(k.x_max[i], T.fabs(k.x[i // b, i % b, g * group + j]))
+
+    return group_max
+
+
+def inverse_scale(x_max: tirx.PrimExpr) -> tirx.PrimExpr:
+    """127 / max|x|: what x is multiplied by before rounding; 0 for a group of zeros (no division)."""
+    return T.if_then_else(x_max > T.float32(0), T.float32(127) / x_max, T.float32(0))
