@@ -8,7 +8,8 @@ x is rounded per group exactly as the vector kernel rounds it (the same integers
 summation order only) and stored in tiles of 16 rows, each group's features in stream order: for 4-bit weights its
 even features (the low nibbles) then its odd ones, for 8-bit weights as they come. A task (16 weight rows) unpacks its
 4-bit weights into bytes in that order once, for every tile of x; 8-bit weights are read in place. Linux hands a
-process the tiles' state only when asked (arch_prctl), so each call asks first: once granted, a cheap no-op."""
+process the tiles' state only when asked (arch_prctl), so each call asks first (once granted, a cheap no-op) and
+keeps the vector path if refused."""
 
 from __future__ import annotations
 
@@ -59,6 +60,13 @@ def _intrinsic(name: str, *args: tirx.PrimExpr) -> None:
     T.evaluate(T.call_llvm_intrin("void", f"llvm.x86.{name}", *args))
 
 
+def tiles_granted() -> tirx.PrimExpr:
+    """Whether Linux lets this process use the tiles' state (arch_prctl asks for it; a no-op once granted): where it
+    does not (a sandbox refusing the call), the kernel keeps its vector path instead of dying at the first tile."""
+    request = (T.int64(SYS_ARCH_PRCTL), T.int64(ARCH_REQ_XCOMP_PERM), T.int64(XFEATURE_XTILEDATA))
+    return T.call_extern("int64", "syscall", *request) == T.int64(0)
+
+
 def tile_position(shape: AmxShape, in_features: int, p: tirx.PrimExpr, row: tirx.PrimExpr) -> tirx.PrimExpr:
     """Where feature `p` (in stream order) of x row `row` sits among the tiles: its tile of 16 rows, in it the
     multiplies of `depth` bytes one after another, each depth / 4 rows of 64 bytes (the 16 rows' four bytes side by
@@ -69,22 +77,14 @@ def tile_position(shape: AmxShape, in_features: int, p: tirx.PrimExpr, row: tirx
 
 
 def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits: int, zero_of, scale_of, bias_of):
-    """The AMX path's three steps as TIR macros over the kernel's operands (qlinear_int8.Operands: x_tiles
-    [tiles * 16 * in_features] int8, x_scale_t and x_sums_t [groups, tiles * 16] float32 among them):
-    round_row_to_tiles(k, i, b), weight_rows(k, task, rows, b) and ask_for_tiles(). zero_of(k, n, g), scale_of(k, n,
+    """The AMX path's two steps as TIR macros over the kernel's operands (qlinear_int8.Operands: x_tiles
+    [tiles * 16 * in_features] int8, x_scale_t and x_sums_t [groups, tiles * 16] float32 among them), to run once
+    tiles_granted(): round_row_to_tiles(k, i, b) and weight_rows(k, task, rows, b). zero_of(k, n, g), scale_of(k, n,
     g) and bias_of(k, n): weight row n's group g zero point and scale, and its bias, as float32."""
     streams, stream_bytes, depth = shape
     per_group = group * bits // 8
     group_max = group_max_macro(group)
     unpack = bits == 4
-
-    @T.macro
-    def ask_for_tiles():
-        T.evaluate(
-            T.call_extern(
-                "int64", "syscall", T.int64(SYS_ARCH_PRCTL), T.int64(ARCH_REQ_XCOMP_PERM), T.int64(XFEATURE_XTILEDATA)
-            )
-        )
 
     @T.macro
     def round_row_to_tiles(k, i, b):  # row i of x rounded per group into its tile, its scales and sums per group
@@ -186,4 +186,4 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
                             k.out[row // b, row % b, first + HALF + n] = high[n, r] + bias_of(k, first + HALF + n)
             _intrinsic("tilerelease")
 
-    return round_row_to_tiles, weight_rows, ask_for_tiles
+    return round_row_to_tiles, weight_rows

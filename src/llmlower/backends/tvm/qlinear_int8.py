@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 from .int8_dot import VNNI, Int8Dot, dot_u8_s8
 from .int8_rounding import group_max_macro, inverse_scale
 from .paged_kernels import ATTRS
-from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_of
+from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_granted, tiles_of
 
 TILE = 4  # activation rows a weight vector is multiplied with while it is in a register (8 accumulators)
 
@@ -113,7 +113,7 @@ def int8_kernel(
     zero_shape, zero_dtype = zero_layout(zeros, out_features, groups, scale_dtype)
     amx = amx_shape(bits, group, out_features) if int8_dot.amx else None
     if amx is not None:
-        round_row_to_tiles, amx_weight_rows, ask_for_tiles = amx_macros(
+        round_row_to_tiles, amx_weight_rows = amx_macros(
             amx,
             group,
             groups,
@@ -247,7 +247,7 @@ def int8_kernel(
             T.writes()
             x_max = T.sblock_alloc_buffer((a * b,), "float32")
             operands = T.meta_var(Operands(x, weight, scales, zero_buffer, bias_buffer, out, x_max))
-            if amx is not None and a * b >= MIN_ROWS:  # many rows on AMX tiles
+            if amx is not None and a * b >= MIN_ROWS and tiles_granted():  # many rows on AMX tiles
                 with T.sblock("amx"):
                     T.reads()
                     T.writes()
@@ -255,7 +255,6 @@ def int8_kernel(
                     x_scale_t = T.sblock_alloc_buffer((groups, tiles_of(a * b) * TILE_ROWS), "float32")
                     x_sums_t = T.sblock_alloc_buffer((groups, tiles_of(a * b) * TILE_ROWS), "float32")
                     k = T.meta_var(operands._replace(x_tiles=x_tiles, x_scale_t=x_scale_t, x_sums_t=x_sums_t))
-                    ask_for_tiles()
                     for i in T.parallel(a * b):
                         round_row_to_tiles(k, i, b)
                     for task in T.parallel(out_features // TILE_ROWS):
