@@ -31,7 +31,7 @@ from tvm.s_tir import dlight
 from tvm.support import nvcc
 
 from ...errors import LlmlowerError
-from ...runtime.cpu_features import host_cpu_flags
+from ...runtime.cpu_features import CPU_FLAGS, host_cpu_flags
 from .cpu_schedule import WeightRowMatmul
 from .low_batch import SimtMatmul, low_batch_dispatch
 
@@ -39,7 +39,7 @@ TARGETS = ("cpu", "cuda")
 # compiled: the Relax VM's functions (a step's ~850 kernel calls, shapes and allocations) become native code;
 # bytecode: the VM interprets them, which lets a per-call instrument time each call (benchmarks/profile_step.py)
 VM_EXEC_MODES = ("compiled", "bytecode")
-HOST_EXTRAS = {"amx-tile": "amx_tile", "amx-int8": "amx_int8"}  # LLVM feature -> /proc/cpuinfo flag
+HOST_EXTRAS = ("amx-tile", "amx-int8")  # LLVM features a VM's CPU name may hide (their flags: cpu_features)
 CUDA_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 DEFAULT_CUDA_ARCH = "sm_80"
 
@@ -110,7 +110,7 @@ def host_extra_features() -> list[str]:
     """Features (LLVM's -mattr) this CPU has that LLVM's name for it may leave out: AMX's int8 tiles, which the
     int8 kernel's many-row calls take (a VM that hides its CPU model gets Sapphire Rapids named rocketlake)."""
     flags = host_cpu_flags() or set()
-    return [f"+{feature}" for feature, flag in HOST_EXTRAS.items() if flag in flags]
+    return [f"+{feature}" for feature in HOST_EXTRAS if CPU_FLAGS["x86_64"][feature] in flags]
 
 
 def cpu_manifest(target: tvm.target.Target) -> dict[str, object]:

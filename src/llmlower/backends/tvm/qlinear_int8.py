@@ -82,7 +82,7 @@ class Operands(NamedTuple):
     x_sums: tirx.Buffer | None = None  # [rows, groups * group lanes]: the sum of the rounded x each lane multiplies
     x_tiles: tirx.Buffer | None = None  # AMX: [tiles * 16 * in_features] int8, x rounded in tiles (qlinear_amx)
     x_scale_t: tirx.Buffer | None = None  # AMX: [groups, tiles * 16]: each group's scale, row by row
-    x_sums_t: tirx.Buffer | None = None  # AMX: [groups, tiles * 16]: the sum of each group's rounded x
+    x_sums_t: tirx.Buffer | None = None  # AMX: [groups, tiles * 16]: each group's rounded sum x its scale
 
 
 @functools.cache
@@ -247,13 +247,15 @@ def int8_kernel(
             T.writes()
             x_max = T.sblock_alloc_buffer((a * b,), "float32")
             operands = T.meta_var(Operands(x, weight, scales, zero_buffer, bias_buffer, out, x_max))
-            if amx is not None and a * b >= MIN_ROWS and tiles_granted():  # many rows on AMX tiles
+            # many rows on AMX tiles; the syscall only where they would be taken (decode's one row never makes it)
+            if amx is not None and T.if_then_else(a * b >= MIN_ROWS, tiles_granted(), False):
                 with T.sblock("amx"):
                     T.reads()
                     T.writes()
-                    x_tiles = T.sblock_alloc_buffer((tiles_of(a * b) * TILE_ROWS * in_features,), "int8")
-                    x_scale_t = T.sblock_alloc_buffer((groups, tiles_of(a * b) * TILE_ROWS), "float32")
-                    x_sums_t = T.sblock_alloc_buffer((groups, tiles_of(a * b) * TILE_ROWS), "float32")
+                    padded_rows = T.meta_var(tiles_of(a * b) * TILE_ROWS)
+                    x_tiles = T.sblock_alloc_buffer((padded_rows * in_features,), "int8")
+                    x_scale_t = T.sblock_alloc_buffer((groups, padded_rows), "float32")
+                    x_sums_t = T.sblock_alloc_buffer((groups, padded_rows), "float32")
                     k = T.meta_var(operands._replace(x_tiles=x_tiles, x_scale_t=x_scale_t, x_sums_t=x_sums_t))
                     for i in T.parallel(a * b):
                         round_row_to_tiles(k, i, b)
