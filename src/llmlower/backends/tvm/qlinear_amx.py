@@ -13,6 +13,7 @@ keeps the vector path if refused."""
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from tvm import tirx
@@ -38,11 +39,12 @@ class AmxShape(NamedTuple):
 
 def amx_shape(bits: int, group: int, out_features: int) -> AmxShape | None:
     """The split of a group for AMX, or None where the layer does not take it (weight rows not in tiles of 16, a
-    group not in multiplies of whole 4-byte lanes)."""
+    group not in multiplies of whole 4-byte lanes, 4-bit groups over 128: their unpacking takes whole groups of a
+    64-byte vector)."""
     depth = next((d for d in range(MAX_DEPTH, 0, -4) if group % d == 0), None)  # the deepest multiply that fits
-    if out_features % TILE_ROWS or depth is None:
-        return None
     streams = 2 if bits == 4 else 1
+    if out_features % TILE_ROWS or depth is None or (bits == 4 and 64 % (group // streams)):
+        return None
     return AmxShape(streams, group // streams, depth)
 
 
@@ -82,9 +84,15 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
     tiles_granted(): round_row_to_tiles(k, i, b) and weight_rows(k, task, rows, b). zero_of(k, n, g), scale_of(k, n,
     g) and bias_of(k, n): weight row n's group g zero point and scale, and its bias, as float32."""
     streams, stream_bytes, depth = shape
-    per_group = group * bits // 8
     group_max = group_max_macro(group)
     unpack = bits == 4
+    row_bytes = in_features * bits // 8
+    window = math.gcd(row_bytes, 64)  # packed bytes unpacked at once: whole groups (amx_shape sees to it)
+    # where each unpacked byte of a window comes from (its low nibbles 0.., its high ones window..): stream order
+    in_stream_order = [
+        u // (2 * stream_bytes) * stream_bytes + u % stream_bytes + window * (u // stream_bytes % 2)
+        for u in range(2 * window)
+    ]
 
     @T.macro
     def round_row_to_tiles(k, i, b):  # row i of x rounded per group into its tile, its scales and sums per group
@@ -150,20 +158,23 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
         with T.sblock("amx_weight_rows"):
             T.reads()
             T.writes()
-            config = T.sblock_alloc_buffer((64,), "uint8", scope="local")
+            config = T.sblock_alloc_buffer((64,), "uint8")
             sums = T.sblock_alloc_buffer((2, TILE_ROWS, TILE_ROWS), "int32", scope="local")
-            # the sums so far of the task's weight rows (two halves, each small enough to live in registers)
-            low = T.sblock_alloc_buffer((HALF, TILE_ROWS), "float32", scope="local")
-            high = T.sblock_alloc_buffer((HALF, TILE_ROWS), "float32", scope="local")
+            # the sums so far of the task's weight rows, in registers: buffers under 1 KiB of the default scope
+            # become stack slots LLVM keeps in registers ("local" ones are heap workspace)
+            low = T.sblock_alloc_buffer((HALF, TILE_ROWS), "float32")
+            high = T.sblock_alloc_buffer((HALF, TILE_ROWS), "float32")
             unpacked = T.sblock_alloc_buffer((TILE_ROWS, in_features if unpack else 1), "uint8")
             configure(config)
             first = T.meta_var(task * TILE_ROWS)
-            if unpack:  # the task's 4-bit weights as bytes, each group's low nibbles then its high ones
-                for r, g, s in T.grid(TILE_ROWS, groups, streams):
-                    for j in T.vectorized(stream_bytes):
-                        unpacked[r, g * group + s * stream_bytes + j] = (
-                            k.weight[first + r, g * per_group + j] >> T.Cast("uint8", 4 * s)
-                        ) & T.uint8(15)
+            if unpack:  # 4-bit weights as bytes, whole groups at a time
+                for r, c in T.grid(TILE_ROWS, row_bytes // window):
+                    packed = T.meta_var(k.weight[first + r, T.ramp(c * window, 1, window)])
+                    low_nibbles = T.meta_var(packed & T.broadcast(T.uint8(15), window))
+                    high_nibbles = T.meta_var(packed >> T.broadcast(T.uint8(4), window))
+                    unpacked[r, T.ramp(c * 2 * window, 1, 2 * window)] = T.Shuffle(
+                        [low_nibbles, high_nibbles], in_stream_order
+                    )
             for t in T.serial(tiles_of(rows)):
                 for n in T.unroll(HALF):
                     low[n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.float32(0), TILE_ROWS)
