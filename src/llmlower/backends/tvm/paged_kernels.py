@@ -26,7 +26,7 @@ import functools
 import math
 
 import numpy as np
-from tvm import relax, te, tirx
+from tvm import DataType, relax, te, tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
@@ -108,6 +108,16 @@ def _dot_lanes(
                 part[g, lane] += q_s[g, start + c * lanes + lane] * T.Cast(
                     "float32", pool[block, t, kvh, c * lanes + lane]
                 )
+
+
+@T.macro
+def _prefetch_rows(pool: T.Buffer, block: T.int32, kvh: T.int32, width: int, block_size: int, line_elems: int) -> None:
+    """Asks the caches for pool[block, :, kvh, :width] ahead of reading it: a kv head's rows in a block are short
+    runs a whole position apart, a stride the hardware prefetchers follow too late for one decode row's walk."""
+    for t in T.serial(block_size):
+        for line in T.unroll(-(-width // line_elems)):
+            address = T.meta_var(T.address_of(pool[block, t, kvh, line * line_elems]))
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, T.int32(0), T.int32(3), T.int32(1)))
 
 
 @T.macro
@@ -249,6 +259,7 @@ def attention_kernel(
     tile_lanes = math.gcd(queries, vector_lanes)  # a tile's loops over its queries run in vectors this wide,
     chunks = queries // tile_lanes  # this many of them
     key_step, value_step = math.gcd(block_size, 4), math.gcd(value_dim, 4)  # keys / value dimensions at once
+    line_elems = 512 // DataType(pool_dtype).bits  # pool elements in a 64-byte cache line
 
     def capped(score):  # noqa: ANN001, ANN202 (a TIR expression)
         """softcap * tanh(score / softcap)."""
@@ -399,6 +410,10 @@ def attention_kernel(
                                 acc[g, d] = 0.0
                         for b in T.serial(lo // block_size, pos // block_size + 1):
                             block: T.let[T.int32] = block_tables[seq[0], b]
+                            if b < pos // block_size:  # the next block's keys and values, while this one's are read
+                                ahead: T.let[T.int32] = block_tables[seq[0], b + 1]
+                                _prefetch_rows(k_pool, ahead, kvh, head_dim, block_size, line_elems)
+                                _prefetch_rows(v_pool, ahead, kvh, dv, block_size, line_elems)
                             for t in T.serial(block_size):
                                 for g in T.serial(group):
                                     score[g, t] = NEG
