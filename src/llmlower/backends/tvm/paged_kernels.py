@@ -31,6 +31,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 
 from .cpu_schedule import LANES, float_lanes  # LANES: float32 partial sums per dot product on CPU (one AVX2 register)
+from .prefetch import prefetch
 
 NEG = -1e30  # a finite minus infinity: exp(NEG - m) is 0 and NEG - NEG is no NaN
 CUDA_THREADS = 64  # threads per CUDA thread block (and positions per attention tile)
@@ -116,8 +117,7 @@ def _prefetch_rows(pool: T.Buffer, block: T.int32, kvh: T.int32, width: int, blo
     runs a whole position apart, a stride the hardware prefetchers follow too late for one decode row's walk."""
     for t in T.serial(block_size):
         for line in T.unroll(-(-width // line_elems)):
-            address = T.meta_var(T.address_of(pool[block, t, kvh, line * line_elems]))
-            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, T.int32(0), T.int32(3), T.int32(1)))
+            T.evaluate(prefetch(pool[block, t, kvh, line * line_elems]))
 
 
 @T.macro

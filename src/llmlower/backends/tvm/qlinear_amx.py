@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from tvm import tirx
+from tvm import DataType, tirx
 from tvm.script import tirx as T
 
 from .int8_rounding import group_max_macro, inverse_scale
+from .prefetch import prefetch
 
 TILE_ROWS = 16  # rows of every tile: weight rows of A, x rows of B (as 4-byte lanes), both of C
 MAX_DEPTH = 64  # bytes of a row of an A tile: the reduction one tdpbusd takes
@@ -125,7 +126,22 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
         _intrinsic("ldtilecfg", T.address_of(config[0]))
 
     @T.macro
+    def prefetch_part(buffer, first, g):  # group g's share of the next task's rows of a [out_features, ...] buffer
+        row_bytes_of = T.meta_var(buffer.shape[1] * DataType(buffer.dtype).bits // 8)
+        share = T.meta_var(TILE_ROWS * row_bytes_of // groups)  # bytes: the 16 rows are one run
+        for line in T.unroll(-(-share // 64)):
+            at = T.meta_var(g * share + line * 64)
+            element = T.meta_var(
+                buffer[first + TILE_ROWS + at // row_bytes_of, at % row_bytes_of * 8 // DataType(buffer.dtype).bits]
+            )
+            T.evaluate(prefetch(element))
+
+    @T.macro
     def multiply(k, tiles, unpacked, first, t, g):  # C tile `tiles` = group g of the 16 weight rows x tile t of x
+        # the next task's weights and scales, a group's share at a time, while this task's are multiplied
+        if t == 0 and first + TILE_ROWS < k.weight.shape[0]:
+            prefetch_part(k.weight, first, g)
+            prefetch_part(k.scales, first, g)
         _intrinsic("tilezero", T.int8(C_TILE + tiles))
         for q in T.serial(group // depth):
             at = T.meta_var(g * group + q * depth)  # in stream order: unpacked bytes, 8-bit weights
