@@ -89,6 +89,7 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
     unpack = bits == 4
     row_bytes = in_features * bits // 8
     window = math.gcd(row_bytes, 64)  # packed bytes unpacked at once: whole groups (amx_shape sees to it)
+    window_groups, windows = (window * 2 // group, row_bytes // window) if unpack else (1, 1)  # 4-bit weights
     # where each unpacked byte of a window comes from (its low nibbles 0.., its high ones window..): stream order
     in_stream_order = [
         u // (2 * stream_bytes) * stream_bytes + u % stream_bytes + window * (u // stream_bytes % 2)
@@ -96,8 +97,12 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
     ]
 
     @T.macro
-    def round_row_to_tiles(k, i, b):  # row i of x rounded per group into its tile, its scales and sums per group
-        for g in T.serial(groups):
+    def round_row_to_tiles(k, i, rows, b):  # row i of x rounded per group into its tile, its scales and sums per group
+        if i >= rows:  # a padding row of the last tile: scale and sums 0, so that its int32 sums come to 0.0
+            for g in T.serial(groups):
+                k.x_scale_t[g, i] = T.float32(0)
+                k.x_sums_t[g, i] = T.float32(0)
+        for g in T.serial(groups if i < rows else 0):
             group_max(k, i, b, g)
             inverse: T.let[T.float32] = inverse_scale(k.x_max[i])
             k.x_scale_t[g, i] = k.x_max[i] / T.float32(127)
@@ -137,20 +142,35 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
             T.evaluate(prefetch(element))
 
     @T.macro
-    def multiply(k, tiles, unpacked, first, t, g):  # C tile `tiles` = group g of the 16 weight rows x tile t of x
-        # the next task's weights and scales, a group's share at a time, while this task's are multiplied
-        if t == 0 and first + TILE_ROWS < k.weight.shape[0]:
+    def unpack_window(k, unpacked, first, r, w, slot):  # window w of weight row first + r as bytes, in stream order
+        packed = T.meta_var(k.weight[first + r, T.ramp(w * window, 1, window)])
+        low_nibbles = T.meta_var(packed & T.broadcast(T.uint8(15), window))
+        high_nibbles = T.meta_var(packed >> T.broadcast(T.uint8(4), window))
+        unpacked[r, T.ramp(slot * 2 * window, 1, 2 * window)] = T.Shuffle([low_nibbles, high_nibbles], in_stream_order)
+
+    @T.macro
+    def multiply(k, tiles, unpacked, one_tile, first, t, g):  # C tile `tiles` = group g of the 16 weight rows x tile t
+        if t == 0 and first + TILE_ROWS < k.weight.shape[0]:  # the next task's weights and scales, a group's share
             prefetch_part(k.weight, first, g)
             prefetch_part(k.scales, first, g)
+        w = T.meta_var(g // window_groups)
+        if one_tile and unpack and g % window_groups == 0 and w + 1 < windows:  # the next window, one ahead so
+            for r in T.serial(TILE_ROWS):  # that its stores are in L1 by the time tiles load them
+                unpack_window(k, unpacked, first, r, w + 1, (w + 1) % 2)
         _intrinsic("tilezero", T.int8(C_TILE + tiles))
         for q in T.serial(group // depth):
-            at = T.meta_var(g * group + q * depth)  # in stream order: unpacked bytes, 8-bit weights
-            if unpack:
-                weights = T.meta_var(T.address_of(unpacked[0, at]))
+            at = T.meta_var(g * group + q * depth)  # in stream order
+            if unpack:  # one tile: in the window's buffer; more: in the task's
+                weights = T.meta_var(
+                    T.address_of(
+                        unpacked[0, (w % 2 * window_groups + g % window_groups if one_tile else g) * group + q * depth]
+                    )
+                )
             else:  # 8-bit weights: a group's bytes are its features, in place
                 weights = T.meta_var(T.address_of(k.weight[first, at]))
             x_rows = T.meta_var(T.address_of(k.x_tiles[(t * in_features + at) * TILE_ROWS]))
-            _intrinsic("tileloadd64", T.int8(A_TILE + 2 * tiles), weights, T.int64(in_features))
+            stride = T.meta_var(unpacked.shape[1] if unpack else row_bytes)
+            _intrinsic("tileloadd64", T.int8(A_TILE + 2 * tiles), weights, T.int64(stride))
             _intrinsic("tileloadd64", T.int8(B_TILE + 2 * tiles), x_rows, T.int64(64))
             _intrinsic("tdpbusd", T.int8(C_TILE + tiles), T.int8(A_TILE + 2 * tiles), T.int8(B_TILE + 2 * tiles))
 
@@ -170,6 +190,31 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
         drain_half(k, tiles, sums, high, HALF, first, t, g)
 
     @T.macro
+    def tile_of_x(k, sums, low, high, unpacked, one_tile, first, t, rows, b):  # out[tile t's rows, the task's 16]
+        for n in T.unroll(HALF):
+            low[n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.float32(0), TILE_ROWS)
+            high[n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.float32(0), TILE_ROWS)
+        # two C tiles in turn: a group's multiply runs while the previous group's sums take their scales
+        if one_tile and unpack:  # the first window (the others are unpacked a window ahead)
+            for r in T.serial(TILE_ROWS):
+                unpack_window(k, unpacked, first, r, 0, 0)
+        multiply(k, 0, unpacked, one_tile, first, t, 0)
+        for pair in T.serial(groups // 2):
+            multiply(k, 1, unpacked, one_tile, first, t, 2 * pair + 1)
+            drain(k, 0, sums, low, high, first, t, 2 * pair)
+            if 2 * pair + 2 < groups:
+                multiply(k, 0, unpacked, one_tile, first, t, 2 * pair + 2)
+            drain(k, 1, sums, low, high, first, t, 2 * pair + 1)
+        if groups % 2 == 1:
+            drain(k, 0, sums, low, high, first, t, groups - 1)
+        for r in T.unroll(TILE_ROWS):
+            if t * TILE_ROWS + r < rows:
+                row = T.meta_var(t * TILE_ROWS + r)
+                for n in T.unroll(HALF):
+                    k.out[row // b, row % b, first + n] = low[n, r] + bias_of(k, first + n)
+                    k.out[row // b, row % b, first + HALF + n] = high[n, r] + bias_of(k, first + HALF + n)
+
+    @T.macro
     def weight_rows(k, task, rows, b):  # out[:, task's 16 weight rows]
         with T.sblock("amx_weight_rows"):
             T.reads()
@@ -180,37 +225,24 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
             # become stack slots LLVM keeps in registers ("local" ones are heap workspace)
             low = T.sblock_alloc_buffer((HALF, TILE_ROWS), "float32")
             high = T.sblock_alloc_buffer((HALF, TILE_ROWS), "float32")
-            unpacked = T.sblock_alloc_buffer((TILE_ROWS, in_features if unpack else 1), "uint8")
             configure(config)
             first = T.meta_var(task * TILE_ROWS)
-            if unpack:  # 4-bit weights as bytes, whole groups at a time
-                for r, c in T.grid(TILE_ROWS, row_bytes // window):
-                    packed = T.meta_var(k.weight[first + r, T.ramp(c * window, 1, window)])
-                    low_nibbles = T.meta_var(packed & T.broadcast(T.uint8(15), window))
-                    high_nibbles = T.meta_var(packed >> T.broadcast(T.uint8(4), window))
-                    unpacked[r, T.ramp(c * 2 * window, 1, 2 * window)] = T.Shuffle(
-                        [low_nibbles, high_nibbles], in_stream_order
-                    )
-            for t in T.serial(tiles_of(rows)):
-                for n in T.unroll(HALF):
-                    low[n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.float32(0), TILE_ROWS)
-                    high[n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.float32(0), TILE_ROWS)
-                # two C tiles in turn: a group's multiply runs while the previous group's sums take their scales
-                multiply(k, 0, unpacked, first, t, 0)
-                for pair in T.serial(groups // 2):
-                    multiply(k, 1, unpacked, first, t, 2 * pair + 1)
-                    drain(k, 0, sums, low, high, first, t, 2 * pair)
-                    if 2 * pair + 2 < groups:
-                        multiply(k, 0, unpacked, first, t, 2 * pair + 2)
-                    drain(k, 1, sums, low, high, first, t, 2 * pair + 1)
-                if groups % 2 == 1:
-                    drain(k, 0, sums, low, high, first, t, groups - 1)
-                for r in T.unroll(TILE_ROWS):
-                    if t * TILE_ROWS + r < rows:
-                        row = T.meta_var(t * TILE_ROWS + r)
-                        for n in T.unroll(HALF):
-                            k.out[row // b, row % b, first + n] = low[n, r] + bias_of(k, first + n)
-                            k.out[row // b, row % b, first + HALF + n] = high[n, r] + bias_of(k, first + HALF + n)
+            if rows <= TILE_ROWS:  # one tile of x (a step of up to 16 streams): a window's bytes at a time, in L1
+                with T.sblock("one_tile"):
+                    T.reads()
+                    T.writes()
+                    unpacked = T.sblock_alloc_buffer((TILE_ROWS, 4 * window if unpack else 1), "uint8")  # two windows
+                    tile_of_x(k, sums, low, high, unpacked, True, first, T.int64(0), rows, b)
+            else:  # more (prompt chunks): the task's bytes once, for every tile
+                with T.sblock("many_tiles"):
+                    T.reads()
+                    T.writes()
+                    unpacked = T.sblock_alloc_buffer((TILE_ROWS, in_features if unpack else 1), "uint8")
+                    if unpack:
+                        for r, w in T.grid(TILE_ROWS, windows):
+                            unpack_window(k, unpacked, first, r, w, w)
+                    for t in T.serial(tiles_of(rows)):
+                        tile_of_x(k, sums, low, high, unpacked, False, first, t, rows, b)
             _intrinsic("tilerelease")
 
     return round_row_to_tiles, weight_rows

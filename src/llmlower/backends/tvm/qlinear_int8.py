@@ -257,8 +257,8 @@ def int8_kernel(
                     x_scale_t = T.sblock_alloc_buffer((groups, padded_rows), "float32")
                     x_sums_t = T.sblock_alloc_buffer((groups, padded_rows), "float32")
                     k = T.meta_var(operands._replace(x_tiles=x_tiles, x_scale_t=x_scale_t, x_sums_t=x_sums_t))
-                    for i in T.parallel(a * b):
-                        round_row_to_tiles(k, i, b)
+                    for i in T.parallel(padded_rows):
+                        round_row_to_tiles(k, i, a * b, b)
                     for task in T.parallel(out_features // TILE_ROWS):
                         amx_weight_rows(k, task, a * b, b)
             else:
