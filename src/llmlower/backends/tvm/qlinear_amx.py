@@ -7,7 +7,9 @@ int32 sums, where AVX-512's vpdpbusd makes 16; a group's sums then take its scal
 x is rounded per group exactly as the vector kernel rounds it (the same integers: the two paths differ by float
 summation order only) and stored in tiles of 16 rows, each group's features in stream order: for 4-bit weights its
 even features (the low nibbles) then its odd ones, for 8-bit weights as they come. A task (16 weight rows) unpacks its
-4-bit weights into bytes in that order once, for every tile of x; 8-bit weights are read in place. Linux hands a
+4-bit weights into bytes in that order, 64 packed bytes by one shuffle: with one tile of x (a step of up to 16
+streams) a window ahead into a small buffer that stays in L1, with more (prompt chunks) all at once for every tile;
+it prefetches the next task's weights and scales meanwhile. 8-bit weights are read in place. Linux hands a
 process the tiles' state only when asked (arch_prctl), so each call asks first (once granted, a cheap no-op) and
 keeps the vector path if refused."""
 
@@ -82,8 +84,8 @@ def tile_position(shape: AmxShape, in_features: int, p: tirx.PrimExpr, row: tirx
 def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits: int, zero_of, scale_of, bias_of):
     """The AMX path's two steps as TIR macros over the kernel's operands (qlinear_int8.Operands: x_tiles
     [tiles * 16 * in_features] int8, x_scale_t and x_sums_t [groups, tiles * 16] float32 among them), to run once
-    tiles_granted(): round_row_to_tiles(k, i, b) and weight_rows(k, task, rows, b). zero_of(k, n, g), scale_of(k, n,
-    g) and bias_of(k, n): weight row n's group g zero point and scale, and its bias, as float32."""
+    tiles_granted(): round_row_to_tiles(k, i, rows, b) and weight_rows(k, task, rows, b). zero_of(k, n, g),
+    scale_of(k, n, g) and bias_of(k, n): weight row n's group g zero point and scale, and its bias, as float32."""
     streams, stream_bytes, depth = shape
     group_max = group_max_macro(group)
     unpack = bits == 4
@@ -132,14 +134,12 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
 
     @T.macro
     def prefetch_part(buffer, first, g):  # group g's share of the next task's rows of a [out_features, ...] buffer
-        row_bytes_of = T.meta_var(buffer.shape[1] * DataType(buffer.dtype).bits // 8)
+        element_bits = T.meta_var(DataType(buffer.dtype).bits)
+        row_bytes_of = T.meta_var(buffer.shape[1] * element_bits // 8)
         share = T.meta_var(TILE_ROWS * row_bytes_of // groups)  # bytes: the 16 rows are one run
         for line in T.unroll(-(-share // 64)):
             at = T.meta_var(g * share + line * 64)
-            element = T.meta_var(
-                buffer[first + TILE_ROWS + at // row_bytes_of, at % row_bytes_of * 8 // DataType(buffer.dtype).bits]
-            )
-            T.evaluate(prefetch(element))
+            T.evaluate(prefetch(buffer[first + TILE_ROWS + at // row_bytes_of, at % row_bytes_of * 8 // element_bits]))
 
     @T.macro
     def unpack_window(k, unpacked, first, r, w, slot):  # window w of weight row first + r as bytes, in stream order
@@ -160,12 +160,9 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
         _intrinsic("tilezero", T.int8(C_TILE + tiles))
         for q in T.serial(group // depth):
             at = T.meta_var(g * group + q * depth)  # in stream order
-            if unpack:  # one tile: in the window's buffer; more: in the task's
-                weights = T.meta_var(
-                    T.address_of(
-                        unpacked[0, (w % 2 * window_groups + g % window_groups if one_tile else g) * group + q * depth]
-                    )
-                )
+            if unpack:  # one tile: the group's place in its window's half of the buffer; more: in the task's bytes
+                place = T.meta_var(w % 2 * window_groups + g % window_groups if one_tile else g)
+                weights = T.meta_var(T.address_of(unpacked[0, place * group + q * depth]))
             else:  # 8-bit weights: a group's bytes are its features, in place
                 weights = T.meta_var(T.address_of(k.weight[first, at]))
             x_rows = T.meta_var(T.address_of(k.x_tiles[(t * in_features + at) * TILE_ROWS]))
