@@ -191,10 +191,10 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
         for n in T.unroll(HALF):
             low[n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.float32(0), TILE_ROWS)
             high[n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.float32(0), TILE_ROWS)
-        # two C tiles in turn: a group's multiply runs while the previous group's sums take their scales
         if one_tile and unpack:  # the first window (the others are unpacked a window ahead)
             for r in T.serial(TILE_ROWS):
                 unpack_window(k, unpacked, first, r, 0, 0)
+        # two C tiles in turn: a group's multiply runs while the previous group's sums take their scales
         multiply(k, 0, unpacked, one_tile, first, t, 0)
         for pair in T.serial(groups // 2):
             multiply(k, 1, unpacked, one_tile, first, t, 2 * pair + 1)
