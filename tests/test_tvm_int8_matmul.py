@@ -108,9 +108,10 @@ def _cases() -> list[tuple[Int8Dot, str]]:
 @x86
 @pytest.mark.parametrize(("dot", "quant"), _cases(), ids=str)
 def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
-    """One row (decode), eleven (a tile of rows and the rest one by one) and 37 (with AMX: two tiles of 16 rows and
-    a short one), each row as the reference computes it, and off the float kernel by the rounding of x only. Groups
-    of 32 take 576 features: 18 groups, which 64-byte vectors of four 4-bit groups do not divide."""
+    """One row (decode), eleven (a tile of rows and the rest one by one), 16 (with AMX: one tile of x, its weights
+    unpacked a window at a time) and 37 (with AMX: two tiles of 16 rows and a short one), each row as the reference
+    computes it, and off the float kernel by the rounding of x only. Groups of 32 take 576 features: 18 groups, which
+    64-byte vectors of four 4-bit groups do not divide."""
     scheme, zeros = SCHEMES[quant]
     in_features = 576 if scheme.group in (0, 32) else 512
     rounded = scheme.group or in_features  # the features x is rounded in: per channel, the whole row
@@ -121,7 +122,7 @@ def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
     bias = torch.randn(out_features, generator=gen).numpy()
     zero = _zero_points(scheme, q.zeros, in_features // rounded)
     weights = _unpacked(tensors[0], scheme.bits)
-    for rows in (1, 11, 37):
+    for rows in (1, 11, 16, 37):
         x = (torch.randn(rows, in_features, generator=gen) * 3).numpy()
         if rounded < in_features or rows > 1:  # a group of zeros (per channel: a whole row): scale 0, no division
             x[-1, :rounded] = 0
