@@ -31,7 +31,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 
 from .cpu_schedule import LANES, float_lanes  # LANES: float32 partial sums per dot product on CPU (one AVX2 register)
-from .prefetch import prefetch
+from .prefetch import LINE_BYTES, prefetch
 
 NEG = -1e30  # a finite minus infinity: exp(NEG - m) is 0 and NEG - NEG is no NaN
 CUDA_THREADS = 64  # threads per CUDA thread block (and positions per attention tile)
@@ -259,7 +259,7 @@ def attention_kernel(
     tile_lanes = math.gcd(queries, vector_lanes)  # a tile's loops over its queries run in vectors this wide,
     chunks = queries // tile_lanes  # this many of them
     key_step, value_step = math.gcd(block_size, 4), math.gcd(value_dim, 4)  # keys / value dimensions at once
-    line_elems = 512 // DataType(pool_dtype).bits  # pool elements in a 64-byte cache line
+    line_elems = LINE_BYTES * 8 // DataType(pool_dtype).bits  # pool elements in a cache line
 
     def capped(score):  # noqa: ANN001, ANN202 (a TIR expression)
         """softcap * tanh(score / softcap)."""

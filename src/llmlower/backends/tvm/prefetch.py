@@ -6,6 +6,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+LINE_BYTES = 64  # a cache line
 L2 = 2  # llvm.prefetch's locality: 3 keeps the line in L1 too, 2 (prefetcht1) in L2 and below
 
 

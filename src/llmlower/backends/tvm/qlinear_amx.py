@@ -22,7 +22,7 @@ from tvm import DataType, tirx
 from tvm.script import tirx as T
 
 from .int8_rounding import group_max_macro, inverse_scale
-from .prefetch import prefetch
+from .prefetch import LINE_BYTES, prefetch
 
 TILE_ROWS = 16  # rows of every tile: weight rows of A, x rows of B (as 4-byte lanes), both of C
 MAX_DEPTH = 64  # bytes of a row of an A tile: the reduction one tdpbusd takes
@@ -104,19 +104,20 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
             for g in T.serial(groups):
                 k.x_scale_t[g, i] = T.float32(0)
                 k.x_sums_t[g, i] = T.float32(0)
-        for g in T.serial(groups if i < rows else 0):
-            group_max(k, i, b, g)
-            inverse: T.let[T.float32] = inverse_scale(k.x_max[i])
-            k.x_scale_t[g, i] = k.x_max[i] / T.float32(127)
-            k.x_sums_t[g, i] = T.float32(0)
-            for s in T.serial(streams):
-                for j in T.serial(stream_bytes):
-                    rounded: T.let[T.int8] = T.Cast(
-                        "int8", T.nearbyint(k.x[i // b, i % b, g * group + j * streams + s] * inverse)
-                    )
-                    k.x_tiles[tile_position(shape, in_features, g * group + s * stream_bytes + j, i)] = rounded
-                    k.x_sums_t[g, i] += T.Cast("float32", rounded)
-            k.x_sums_t[g, i] = k.x_sums_t[g, i] * k.x_scale_t[g, i]  # what a zero point of 1 takes off the group
+        else:
+            for g in T.serial(groups):
+                group_max(k, i, b, g)
+                inverse: T.let[T.float32] = inverse_scale(k.x_max[i])
+                k.x_scale_t[g, i] = k.x_max[i] / T.float32(127)
+                k.x_sums_t[g, i] = T.float32(0)
+                for s in T.serial(streams):
+                    for j in T.serial(stream_bytes):
+                        rounded: T.let[T.int8] = T.Cast(
+                            "int8", T.nearbyint(k.x[i // b, i % b, g * group + j * streams + s] * inverse)
+                        )
+                        k.x_tiles[tile_position(shape, in_features, g * group + s * stream_bytes + j, i)] = rounded
+                        k.x_sums_t[g, i] += T.Cast("float32", rounded)
+                k.x_sums_t[g, i] = k.x_sums_t[g, i] * k.x_scale_t[g, i]  # what a zero point of 1 takes off the group
 
     @T.macro
     def configure(config):  # palette 1: two of each, C 16 rows of 16 int32, A 16 rows of `depth` bytes, B depth / 4
@@ -137,8 +138,8 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
         element_bits = T.meta_var(DataType(buffer.dtype).bits)
         row_bytes_of = T.meta_var(buffer.shape[1] * element_bits // 8)
         share = T.meta_var(TILE_ROWS * row_bytes_of // groups)  # bytes: the 16 rows are one run
-        for line in T.unroll(-(-share // 64)):
-            at = T.meta_var(g * share + line * 64)
+        for line in T.unroll(-(-share // LINE_BYTES)):
+            at = T.meta_var(g * share + line * LINE_BYTES)
             T.evaluate(prefetch(buffer[first + TILE_ROWS + at // row_bytes_of, at % row_bytes_of * 8 // element_bits]))
 
     @T.macro
