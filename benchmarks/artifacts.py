@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llmlower.api import compile_artifact
+from llmlower.api import compile_artifact, with_kv_cache_dtype
 from llmlower.backends.registry import get_backend
 from llmlower.compile_cache import compiler_source_digest
 from llmlower.passes import build_pipeline, with_kv_layout
@@ -24,16 +24,21 @@ def ensure_artifact(
     directory: Path,
     rebuild: bool = False,
     draft_layers: tuple[int, ...] = (),
+    kv_cache_dtype: str = "auto",
 ) -> Path:
-    """`directory` holding MODEL compiled by `backend` (for the CPU) with build_pipeline(**options), and the
-    self-drafts of `draft_layers` layers."""
+    """`directory` holding MODEL compiled by `backend` (for the CPU) with build_pipeline(**options), its KV cache
+    in `kv_cache_dtype`, and the self-drafts of `draft_layers` layers."""
     pipeline = build_pipeline(**options)
     layout = get_backend(backend).layout("cpu")
     manifest_path = directory / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     # what compile_artifact runs: the pipeline with the passes of the backend's KV layout (paged: paged_attention)
-    wanted = [(p, {}) if isinstance(p, str) else (p[0], p[1]) for p in with_kv_layout(pipeline, layout)]
-    built = [(p["name"], p["options"]) for p in manifest.get("pipeline", [])]
+    # and of the cache's dtype; calibrated passes' token ids are left out of the comparison (compile fills them)
+    wanted = [
+        _uncalibrated(p, {}) if isinstance(p, str) else _uncalibrated(*p)
+        for p in with_kv_cache_dtype(with_kv_layout(pipeline, layout), kv_cache_dtype, "float32")
+    ]
+    built = [_uncalibrated(p["name"], p["options"]) for p in manifest.get("pipeline", [])]
     same = manifest.get("backend") == backend and manifest.get("kv_layout", {}).get("kind") == layout.value
     same = same and manifest.get("format_version") == FORMAT_VERSION
     stamp, digest = directory.with_name(f"{directory.name}.compiler-source"), compiler_source_digest()
@@ -41,6 +46,13 @@ def ensure_artifact(
     drafts = sorted(d["layers"] for d in manifest.get("drafts", {}).values())
     if rebuild or not same or built != wanted or drafts != sorted(draft_layers):
         print(f"[benchmarks] compiling {backend} {options or 'fp32'} into {directory}", file=sys.stderr)
-        compile_artifact(model, directory, pipeline, backend=backend, draft_layers=list(draft_layers))
+        compile_artifact(
+            model, directory, pipeline, backend=backend, draft_layers=list(draft_layers), kv_cache_dtype=kv_cache_dtype
+        )
         stamp.write_text(digest)
     return directory
+
+
+def _uncalibrated(name: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A pass and its options without the calibration token ids."""
+    return name, {key: value for key, value in options.items() if key != "calibration"}

@@ -17,8 +17,8 @@ float32). Bytes a token reads: llmlower from the roofline cost model on the arti
 experts only), peers from their model files (dense shapes only: their files hold every expert).
 
     .venv/bin/python benchmarks/shaped_speed.py [--shape llama-1b] [--quants q4mix,q4g32-sym] [--lm-head-bits 4]
-        [--scale-dtypes auto,float16] [--backends onnx] [--llamacpp Q4_0] [--genai] [--vllm] [--new-tokens 64]
-        [--repeats 3] [--threads N] [--json FILE]
+        [--scale-dtypes auto,float16] [--kv-cache-dtypes auto,float16] [--backends onnx] [--llamacpp Q4_0] [--genai]
+        [--vllm] [--new-tokens 64] [--repeats 3] [--threads N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -65,6 +65,11 @@ OFFLINE = f"offline_{OFFLINE_REQUESTS}_tokens_per_s"  # the 16 requests' figure 
 SCALES = {  # --scale-dtypes value -> (build_pipeline options, row name suffix, directory suffix)
     "auto": ({}, "", ""),
     "float16": ({"scale_dtype": "float16"}, " f16 scales", "-f16"),
+}
+KV_CACHES = {  # --kv-cache-dtypes value -> (row name suffix, directory suffix)
+    "auto": ("", ""),
+    "float16": (" f16 KV", "-kv-f16"),
+    "int8": (" int8 KV", "-kv-int8"),
 }
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "asimddp", "i8mm", "sve")
 
@@ -256,6 +261,9 @@ def main() -> None:
     parser.add_argument(
         "--scale-dtypes", default="auto", help="the quantized weights' scales under each quant: auto, float16 or both"
     )
+    parser.add_argument(
+        "--kv-cache-dtypes", default="auto", help="the KV cache's dtypes, comma-separated: auto, float16, int8"
+    )
     parser.add_argument("--backends", default="onnx", help="llmlower's backends, comma-separated (onnx, tvm)")
     parser.add_argument("--llamacpp", default="Q4_0", help="llama.cpp quant types, comma-separated, or 'none'")
     parser.add_argument("--genai", action="store_true", help="also run ONNX Runtime GenAI's int4 (setup.sh ortgenai)")
@@ -265,9 +273,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
-    unknown = set(args.scale_dtypes.split(",")) - set(SCALES)
-    if unknown:
-        parser.error(f"--scale-dtypes: {', '.join(sorted(unknown))} not among {', '.join(SCALES)}")
+    for flag, given, known in (
+        ("--scale-dtypes", args.scale_dtypes, SCALES),
+        ("--kv-cache-dtypes", args.kv_cache_dtypes, KV_CACHES),
+    ):
+        unknown = set(given.split(",")) - set(known)
+        if unknown:
+            parser.error(f"{flag}: {', '.join(sorted(unknown))} not among {', '.join(known)}")
     torch.set_num_threads(args.threads)
     workdir = args.workdir / args.shape
     vocab = json.loads((example_checkpoint() / "config.json").read_text())["vocab_size"]
@@ -283,18 +295,20 @@ def main() -> None:
     if args.lm_head_bits:
         head = {"lm_head_bits": args.lm_head_bits}
         row_suffix, directory_suffix = f" int{args.lm_head_bits} head", f"-head{args.lm_head_bits}"
-    builds = {  # row -> (backend, build_pipeline options, directory)
-        f"llmlower {backend} {quant}{row_suffix}{scales_row}": (
+    builds = {  # row -> (backend, build_pipeline options, KV cache dtype, directory)
+        f"llmlower {backend} {quant}{row_suffix}{scales_row}{KV_CACHES[kv][0]}": (
             backend,
             {"quant": quant, **head, **scales_options},
-            workdir / f"{backend}-{quant}{directory_suffix}{scales_directory}",
+            kv,
+            workdir / f"{backend}-{quant}{directory_suffix}{scales_directory}{KV_CACHES[kv][1]}",
         )
         for backend in args.backends.split(",")
         for quant in args.quants.split(",")
         for scales_options, scales_row, scales_directory in (SCALES[s] for s in args.scale_dtypes.split(","))
+        for kv in args.kv_cache_dtypes.split(",")
     }
-    for backend, options, directory in builds.values():  # first, alone in memory: compiling holds float32 weights
-        ensure_artifact(str(checkpoint), backend, options, directory)
+    for backend, options, kv, directory in builds.values():  # first, alone in memory: compiling holds float32 weights
+        ensure_artifact(str(checkpoint), backend, options, directory, kv_cache_dtype=kv)
     loaded = load(checkpoint)
     captured = capture(loaded)
     dense = not getattr(config, "num_experts", None)
@@ -306,7 +320,7 @@ def main() -> None:
         if kind != "none"
     }
     genai = genai_model(checkpoint, workdir) if args.genai else None  # every model made before anything is timed
-    for name, (_, _, directory) in builds.items():
+    for name, (*_, directory) in builds.items():
         engine = Engine.load(directory, max_num_seqs=1, max_context=context, threads=args.threads)
         print(f"[shaped] {name}: batch 1", file=sys.stderr)
         row = measure(*llmlower_executor(engine.executor), prompts, args.new_tokens, args.repeats)

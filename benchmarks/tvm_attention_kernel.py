@@ -1,11 +1,13 @@
 """TVM's CPU paged-attention kernel alone: one layer's attention for --streams sequences of --context tokens each,
-float32 and int8 pools (made-up values), timed per call. --rows 1 (decode): each sequence's last position, with the
-KV bytes one call reads over its time against this machine's measured memory bandwidth (llmlower.roofline.ceilings,
-cached); --rows R > 1: each sequence's last R positions, a prompt chunk, with the multiply-adds' rate. SmolLM2-135M's
-attention shape by default.
+float32, float16 and int8 pools (made-up values), timed per call over --layers layers' pools in turn (a model's step
+reads every layer's cache once, so it comes from memory, not from a cache that a single layer's would fit). --rows 1
+(decode): each sequence's last position, with the KV bytes one call reads over its time against this machine's
+measured memory bandwidth (llmlower.roofline.ceilings, cached); --rows R > 1: each sequence's last R positions, a
+prompt chunk, with the multiply-adds' rate. SmolLM2-135M's attention shape by default.
 
     .venv/bin/python benchmarks/tvm_attention_kernel.py [--streams 16] [--context 2048] [--rows 1] [--heads 9]
-        [--kv-heads 3] [--head-dim 64] [--block-size 16] [--pools float32,int8] [--repeats 20] [--threads 2]
+        [--kv-heads 3] [--head-dim 64] [--block-size 16] [--pools float32,float16,int8] [--layers 30] [--repeats 20]
+        [--threads 2]
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ from llmlower.roofline.ceilings import machine_ceilings
 from llmlower.runtime.executors.tvm import use_threads
 
 
-def kernel_inputs(args: argparse.Namespace, pool_dtype: str) -> list[tvm.runtime.Tensor]:
-    """--rows rows per sequence (its last positions), each over its own blocks of a shared pool (values and scales
-    made up)."""
-    rng = np.random.default_rng(0)
+def kernel_inputs(args: argparse.Namespace, pool_dtype: str, seed: int) -> list[tvm.runtime.Tensor]:
+    """One layer's inputs: --rows rows per sequence (its last positions), each over its own blocks of a shared pool
+    (values and scales made up)."""
+    rng = np.random.default_rng(seed)
     blocks_per_sequence = -(-args.context // args.block_size)
     pool_shape = (args.streams * blocks_per_sequence, args.block_size, args.kv_heads, args.head_dim)
     if pool_dtype == "int8":
         k_pool, v_pool = (rng.integers(-127, 128, pool_shape, dtype=np.int8) for _ in range(2))
     else:
-        k_pool, v_pool = (rng.standard_normal(pool_shape, dtype=np.float32) for _ in range(2))
+        k_pool, v_pool = (rng.standard_normal(pool_shape, dtype=np.float32).astype(pool_dtype) for _ in range(2))
     rows = args.streams * args.rows
     arrays = [
         rng.standard_normal((rows, args.heads, args.head_dim), dtype=np.float32),  # q
@@ -52,8 +54,8 @@ def kernel_inputs(args: argparse.Namespace, pool_dtype: str) -> list[tvm.runtime
 
 
 def seconds_per_call(args: argparse.Namespace, pool_dtype: str) -> tuple[float, int]:
-    """The kernel built for this CPU, its median time over --repeats calls after three warm-ups, and the bytes of
-    the pools it reads."""
+    """The kernel built for this CPU, its median time per layer over --repeats passes over --layers layers after one
+    warm-up pass, and the bytes of one layer's pools."""
     kernel = attention_kernel(
         args.heads,
         args.kv_heads,
@@ -67,14 +69,14 @@ def seconds_per_call(args: argparse.Namespace, pool_dtype: str) -> tuple[float, 
         vector_lanes=float_lanes(tvm_target("cpu")),
     )
     module = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=tvm_target("cpu"))
-    inputs = kernel_inputs(args, pool_dtype)
-    for _ in range(3):
-        module["main"](*inputs)
+    layers = [kernel_inputs(args, pool_dtype, seed) for seed in range(args.layers)]
     times = []
-    for _ in range(args.repeats):
+    for _ in range(args.repeats + 1):
         start = time.perf_counter()
-        module["main"](*inputs)
-        times.append(time.perf_counter() - start)
+        for inputs in layers:
+            module["main"](*inputs)
+        times.append((time.perf_counter() - start) / args.layers)
+    times = times[1:]
     element = np.dtype(pool_dtype).itemsize
     return statistics.median(times), 2 * args.streams * args.context * args.kv_heads * args.head_dim * element
 
@@ -88,7 +90,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--pools", default="float32,int8")
+    parser.add_argument("--pools", default="float32,float16,int8")
+    parser.add_argument("--layers", type=int, default=30, help="layers' pools called in turn (SmolLM2 has 30)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

@@ -18,7 +18,7 @@ def test_what_a_backend_declares_resolves(backend):
         assert executor_of(Path("artifact"), {"executor": reference}).__name__ == reference.split(":")[1]
     if backend.compiler is not None:  # every target's artifacts have an executor
         assert set(backend.layouts.values()) <= set(backend.executors)
-    assert set(backend.int8_kv_targets) <= set(backend.targets)
+    assert set(backend.kv_cache_dtypes) <= set(backend.targets)
 
 
 def test_the_table_imports_neither_torch_nor_a_toolkit(without_torch):

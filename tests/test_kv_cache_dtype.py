@@ -1,8 +1,8 @@
-"""An int8 KV cache (compile --kv-cache-dtype int8): the kv_cache_dtype pass keeps each architecture's logits
-within its tolerance in both KV layouts, the ONNX CPU (per-sequence caches), TVM CPU (paged pools) and MLIR
-artifacts hold int8 caches (a quarter of float32's bytes) and serve continuous batching, chunked prefill,
-preemption, prefix caching and speculative decoding exactly as they serve each request alone, and what cannot
-take an int8 cache is refused before anything is compiled."""
+"""A narrow KV cache (compile --kv-cache-dtype int8 or float16): the kv_cache_dtype pass keeps each architecture's
+logits within its tolerance in both KV layouts, the ONNX CPU (per-sequence caches), TVM CPU (paged pools) and MLIR
+artifacts hold int8 caches (a quarter of float32's bytes), TVM CPU float16 pools for a float32 model (half), and
+they serve continuous batching, chunked prefill, preemption, prefix caching and speculative decoding exactly as
+they serve each request alone; what cannot take such a cache is refused before anything is compiled."""
 
 from __future__ import annotations
 
@@ -174,18 +174,64 @@ def test_the_backends_hold_the_same_int8_cache(int8_artifacts, tiny_llama, tmp_p
     assert tokens[0] == tokens[1] == tokens[2]
 
 
-def test_what_cannot_take_an_int8_cache_is_refused_before_compiling(tiny_llama, tiny_checkpoints, tmp_path, capsys):
+def test_what_cannot_take_a_narrow_cache_is_refused_before_compiling(tiny_llama, tiny_checkpoints, tmp_path, capsys):
     for backend in ("onnx", "tvm"):
-        with pytest.raises(ArgumentError, match=f"--backend {backend} --target cuda read float caches"):
+        with pytest.raises(ArgumentError, match=f"--backend {backend} --target cuda do not read int8 caches"):
             compile_artifact(tiny_llama, tmp_path / backend, backend=backend, target="cuda", kv_cache_dtype="int8")
-    with pytest.raises(ArgumentError, match="compile with --dtype float16"):
-        compile_artifact(tiny_llama, tmp_path / "f16", kv_cache_dtype="float16")
+    with pytest.raises(
+        ArgumentError, match="--target cpu do not read float16 caches of a float32 model; these do: .*tvm --target cpu"
+    ):
+        compile_artifact(tiny_llama, tmp_path / "f16", backend="onnx", kv_cache_dtype="float16")
+    with pytest.raises(ArgumentError, match="a float16 model keeps its cache in float16 or int8"):
+        compile_artifact(tiny_llama, tmp_path / "bf16", dtype="float16", kv_cache_dtype="bfloat16")
     with pytest.raises(PassError, match="values have a head size of their own"):
         compile_artifact(tiny_checkpoints["deepseek_v3"], tmp_path / "mla", kv_cache_dtype="int8")
     with pytest.raises(SystemExit):
         main(["compile", str(tiny_llama), "-o", str(tmp_path / "int4"), "--kv-cache-dtype", "int4"])
     assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.fixture(scope="module")
+def float16_pools(tiny_llama, tmp_path_factory):
+    """The tiny Llama on TVM's CPU kernels with float16 pools (a float32 model), checked against the reference."""
+    directory = tmp_path_factory.mktemp("kv-f16") / "tvm"
+    args = ["compile", str(tiny_llama), "-o", str(directory), "--backend", "tvm", "--block-size", str(BLOCK["tvm"])]
+    assert main([*args, "--kv-cache-dtype", "float16", "--verify"]) == 0
+    return directory
+
+
+def test_float16_pools_hold_half_the_bytes_and_the_references_tokens(float16_pools, tiny_llama):
+    """A float32 model's float16 pools: half of float32's bytes per token, and the greedy tokens of the torch
+    reference keeping float16 pools (the same rounding of every key and value)."""
+    manifest = json.loads((float16_pools / "manifest.json").read_text())
+    assert manifest["dtype"] == "float32" and manifest["kv_layout"]["dtype"] == "float16"
+    assert manifest["pipeline"][-1]["name"] == "kv_cache_dtype"
+    engine = Engine.load(float16_pools, max_context=CONTEXT, max_num_seqs=2)
+    arrays = _cache_arrays(engine)
+    assert {a.dtype for a in arrays} == {np.dtype(np.float16)}
+    bytes_per_token = sum(a.nbytes for a in arrays) // (engine.executor.num_blocks * engine.executor.block_size)
+    assert (
+        bytes_per_token == engine.spec.kv_bytes_per_token("float16") == engine.spec.kv_bytes_per_token("float32") // 2
+    )
+    reference = load_engine(tiny_llama, kv_cache_dtype="float16", max_context=CONTEXT)
+    assert {a.dtype for a in _cache_arrays(reference)} == {np.dtype(np.float16)}
+    for prompt in _prompts(engine.spec.vocab_size)[:3]:
+        expected = reference.generate([prompt], GREEDY, chat=False)[0].token_ids
+        assert engine.generate([prompt], GREEDY, chat=False)[0].token_ids == expected
+
+
+def test_float16_pools_serve_arrivals_preemption_and_prefixes_as_alone(float16_pools, serve):
+    engine = Engine.load(float16_pools, max_context=CONTEXT)
+    prompts = _prompts(engine.spec.vocab_size)
+    alone = [engine.generate([p], GREEDY, chat=False)[0].token_ids for p in prompts]
+    again = engine.generate([prompts[1]], GREEDY, chat=False)[0]
+    assert again.usage.cached_tokens > 0 and again.token_ids == alone[1]
+    small = Engine.load(
+        float16_pools, max_context=CONTEXT, num_blocks=160 // BLOCK["tvm"], max_num_batched_tokens=16, max_num_seqs=8
+    )
+    assert [r.token_ids for r in serve(small, prompts, ARRIVALS, GREEDY)] == alone
+    assert small.stats().preemptions >= 1 and small.stats().kv_blocks_used == 0
 
 
 def test_generate_compiles_an_int8_entry_into_the_artifact_cache(int8_artifacts, tiny_llama, tmp_path, monkeypatch):

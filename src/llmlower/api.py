@@ -41,23 +41,23 @@ def compile_program(
 ) -> tuple[LoadedModel, Program]:
     """Load MODEL (checkpoint directory, .gguf file or 'example'), capture it and run the pipeline; with
     `kv_layout`, the pipeline is first adapted to it (PAGED adds paged_attention with `block_size`); an int8
-    `kv_cache_dtype` adds the kv_cache_dtype pass last (with_kv_cache_dtype); calibrated passes get their text
+    `kv_cache_dtype` other than the model's adds the kv_cache_dtype pass last (with_kv_cache_dtype); calibrated
+    passes get their text
     (with_calibration)."""
     check_block_size(block_size)
     if kv_layout is not None:
         pipeline = with_kv_layout(pipeline, kv_layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
-    pipeline = with_calibration(with_kv_cache_dtype(pipeline, kv_cache_dtype), loaded)
+    pipeline = with_calibration(with_kv_cache_dtype(pipeline, kv_cache_dtype, dtype), loaded)
     program = run_pipeline(capture(loaded), pipeline, verify=verify, dump_dir=dump_dir)
     return loaded, program
 
 
-def with_kv_cache_dtype(pipeline: Sequence[PassSpec], kv_cache_dtype: str) -> list[PassSpec]:
-    """The pipeline with, for an int8 cache, the kv_cache_dtype pass last (float caches need no pass: they are the
-    model's dtype)."""
-    if kv_cache_dtype != "int8":
+def with_kv_cache_dtype(pipeline: Sequence[PassSpec], kv_cache_dtype: str, dtype: str) -> list[PassSpec]:
+    """The pipeline with, for a cache in another dtype than the model's `dtype`, the kv_cache_dtype pass last."""
+    if kv_cache_dtype in ("auto", dtype):
         return list(pipeline)
-    return [*pipeline, ("kv_cache_dtype", {"dtype": "int8"})]
+    return [*pipeline, ("kv_cache_dtype", {"dtype": kv_cache_dtype})]
 
 
 def with_calibration(pipeline: Sequence[PassSpec], loaded: LoadedModel) -> list[PassSpec]:
@@ -109,16 +109,23 @@ def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str, backend: str, target: 
     """--kv-cache-dtype against the model's dtype and what the backend's kernels take, before anything is loaded."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ArgumentError(f"--kv-cache-dtype {kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}")
-    if kv_cache_dtype in ("float16", "bfloat16") and kv_cache_dtype != dtype:
+    if kv_cache_dtype in ("auto", dtype):
+        return
+    if kv_cache_dtype != "int8" and dtype != "float32":
         raise ArgumentError(
-            f"--kv-cache-dtype {kv_cache_dtype}: a float cache is in the model's dtype; compile with --dtype "
-            f"{kv_cache_dtype} (here {dtype})"
+            f"--kv-cache-dtype {kv_cache_dtype}: a {dtype} model keeps its cache in {dtype} or int8; a "
+            f"{kv_cache_dtype} cache is for float32 models"
         )
-    if kv_cache_dtype == "int8" and target not in get_backend(backend).int8_kv_targets:
-        takers = [f"{b.name} ({', '.join(b.int8_kv_targets)})" for b in BACKENDS.values() if b.int8_kv_targets]
+    if kv_cache_dtype not in get_backend(backend).kv_cache_dtypes.get(target, ()):
+        takers = [
+            f"{b.name} --target {t}"
+            for b in BACKENDS.values()
+            for t, taken in b.kv_cache_dtypes.items()
+            if kv_cache_dtype in taken
+        ]
         raise ArgumentError(
-            f"--kv-cache-dtype int8: the attention kernels of --backend {backend} --target {target} read float "
-            f"caches; these take int8: {', '.join(takers)}"
+            f"--kv-cache-dtype {kv_cache_dtype}: the attention kernels of --backend {backend} --target {target} "
+            f"do not read {kv_cache_dtype} caches of a {dtype} model; these do: {', '.join(takers)}"
         )
 
 
@@ -206,9 +213,9 @@ def compile_artifact(
     target, dtype and block size, so its KV layout is the target's), as a complete artifact inside the target's at
     `output/draft-layers-K/`, listed in the target's manifest under `drafts` (runtime.artifact.draft_artifact).
 
-    `kv_cache_dtype`: auto (the model's dtype), float16 / bfloat16 (the same, said explicitly: they need that
-    dtype), or int8 (the kv_cache_dtype pass, its scales calibrated on frontend.calibration's text; the backends'
-    int8_kv_targets)."""
+    `kv_cache_dtype`: auto (the model's dtype), or another dtype by the kv_cache_dtype pass: float16 / bfloat16
+    for a float32 model, int8 (its scales calibrated on frontend.calibration's text); each backend's
+    kv_cache_dtypes say which its kernels take."""
     check_output(output)  # a file or someone's directory is refused now, not replaced after compiling
     drafts = check_draft_layers(draft_layers)
     for k in drafts:
@@ -243,7 +250,7 @@ def compile_artifact(
     pipeline = with_kv_layout(pipeline, layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
     check_draft_layers(drafts, loaded.spec.num_layers)  # before minutes of compiling
-    pipeline = with_calibration(with_kv_cache_dtype(pipeline, kv_cache_dtype), loaded)
+    pipeline = with_calibration(with_kv_cache_dtype(pipeline, kv_cache_dtype, dtype), loaded)
     program = run_pipeline(capture(loaded), pipeline, verify=verify)
 
     def write_tokenizer(directory: Path) -> None:

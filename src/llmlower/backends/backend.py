@@ -46,7 +46,8 @@ class Backend:
     in memory; `program_executor`: an executor straight from a Program (program, max_context, num_blocks) for tests
     and the roofline; `options` and `check`: the compile options it takes and the check (target, options) run on
     them before compiling; `tolerance`: how far its artifacts' logits may be from the torch reference's (compile
-    --verify); `int8_kv_targets`: the targets whose attention kernels take an int8 KV cache."""
+    --verify); `kv_cache_dtypes`: target -> the KV cache dtypes other than the model's that its attention kernels
+    read (compile --kv-cache-dtype)."""
 
     name: str
     package: str
@@ -58,7 +59,7 @@ class Backend:
     options: tuple[str, ...] = ()
     check: str | None = None
     tolerance: Tolerance = Tolerance()
-    int8_kv_targets: tuple[str, ...] = ()
+    kv_cache_dtypes: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def targets(self) -> tuple[str, ...]:

@@ -16,10 +16,11 @@ out then end in it; DeepSeek's MLA), `scale` is whatever the model scales q·k b
 add slope_h * (key position - query position) to head h's logits (ALiBi: Bloom, MPT, Falcon with alibi; the
 models write slope_h * key position, which is the same softmax, as it shifts each row by a constant).
 
-An int8 cache (the kv_cache_dtype pass) comes with `k_scale` and `v_scale` [1, kv_heads, 1, head_dim], float32:
-the new keys and values are written as round(x / scale) clamped to [-128, 127], and the cache is read as
-int8 * scale (one scale per kv head and channel, fixed at compile time; ONNX Runtime's GroupQueryAttention
-PER_CHANNEL quantization).
+A cache may be in a narrower float dtype than q (the kv_cache_dtype pass: float16 for a float32 model): new keys
+and values are cast to it, and read back cast to q's. An int8 cache (the same pass) comes with `k_scale` and
+`v_scale` [1, kv_heads, 1, head_dim], float32: the new keys and values are written as round(x / scale) clamped to
+[-128, 127], and the cache is read as int8 * scale (one scale per kv head and channel, fixed at compile time; ONNX
+Runtime's GroupQueryAttention PER_CHANNEL quantization).
 """
 
 from __future__ import annotations
@@ -81,16 +82,17 @@ def attend(
     return torch.matmul(weights.to(v.dtype), v)
 
 
-def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """x as the cache stores it: itself, or int8 steps of `scale` (rounded, saturated to int8's range)."""
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: cast to a float cache's dtype, or int8 steps of `scale` (rounded,
+    saturated to int8's range)."""
     if scale is None:
-        return x
+        return x.to(dtype)
     return torch.clamp(torch.round(x.float() / scale), -128, 127).to(torch.int8)
 
 
 def dequantize_kv(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The cache's values in `dtype`: itself, or its int8 steps times `scale`."""
-    return cache if scale is None else (cache.float() * scale).to(dtype)
+    """The cache's values in `dtype`: a float cache's cast, or its int8 steps times `scale`."""
+    return cache.to(dtype) if scale is None else (cache.float() * scale).to(dtype)
 
 
 def _take_tokens(x: torch.Tensor, index: torch.Tensor, context: int) -> torch.Tensor:
@@ -128,8 +130,8 @@ def attention_reference(
     written = ((source >= 0) & (source < input_lens[:, None]))[:, None, :, None]
     rows = torch.arange(q.shape[0], device=q.device)[:, None] * tokens  # the new tokens of all rows, flattened:
     index = (rows + source.clamp(0, tokens - 1)).flatten()  # a [batch * context] index (a small constant if static)
-    k_cache = torch.where(written, _take_tokens(quantize_kv(k, k_scale), index, context), k_cache)
-    v_cache = torch.where(written, _take_tokens(quantize_kv(v, v_scale), index, context), v_cache)
+    k_cache = torch.where(written, _take_tokens(quantize_kv(k, k_scale, k_cache.dtype), index, context), k_cache)
+    v_cache = torch.where(written, _take_tokens(quantize_kv(v, v_scale, v_cache.dtype), index, context), v_cache)
 
     positions = past_lens[:, None] + torch.arange(tokens, device=q.device)  # [batch, tokens]
     allowed = visible(keys, positions[:, :, None], window) & (keys < totals[:, None, None])  # [batch, tokens, ctx]

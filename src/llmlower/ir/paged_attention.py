@@ -60,8 +60,8 @@ def paged_attention(
     k_pool, v_pool = k_pool.clone(), v_pool.clone()
     count = len(sequence)
     blocks = block_tables[sequence, positions // block_size]
-    k_pool[blocks, positions % block_size] = quantize_kv(k[0, :, :count].transpose(0, 1), k_scale)
-    v_pool[blocks, positions % block_size] = quantize_kv(v[0, :, :count].transpose(0, 1), v_scale)
+    k_pool[blocks, positions % block_size] = quantize_kv(k[0, :, :count].transpose(0, 1), k_scale, k_pool.dtype)
+    v_pool[blocks, positions % block_size] = quantize_kv(v[0, :, :count].transpose(0, 1), v_scale, v_pool.dtype)
 
     out = q.new_zeros((*q.shape[:3], v.shape[-1]))
     start = 0

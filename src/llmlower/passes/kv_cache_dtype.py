@@ -1,6 +1,8 @@
-"""kv_cache_dtype: keep the KV cache in int8, with one scale per kv head and channel fixed at compile time.
+"""kv_cache_dtype: keep the KV cache in a narrower dtype than the model's: float16 or bfloat16 (a float32 model's
+cache in half its bytes, cast on the way in and out), or int8 with one scale per kv head and channel fixed at
+compile time.
 
-The pass runs the program once on calibration tokens (a prompt of real text, tokenized by the caller) with an
+For int8 the pass runs the program once on calibration tokens (a prompt of real text, tokenized by the caller) with an
 empty float cache, takes each layer's largest |key| and |value| per kv head and channel over those tokens from
 the caches it returns (keys as the cache holds them: after the rotary embedding), and makes that the top of the
 int8 range (scale = max / 127). The caches become int8 inputs and outputs, and each attention gets its layer's
@@ -38,6 +40,7 @@ from ..step_io import BLOCK_TABLES, KVLayout, cache_layer
 from .registry import Pass, Tensors, Verification, register_pass
 
 INT8_MAX = 127
+CACHE_DTYPES = ("float16", "bfloat16", "int8")
 HEADROOM = 1.25  # the calibrated peak sits at 127 / 1.25: keys a bit beyond it (another text) are not clipped
 # each attention's k and v cache (or pool) argument positions
 CACHE_ARGUMENTS = {
@@ -126,17 +129,19 @@ def _attention_nodes(program: Program) -> list[torch.fx.Node]:
     ]
     if others:
         kinds = "(paged_)attention and (paged_)qkv_attention"
-        raise PassError(f"kv_cache_dtype: int8 caches are for {kinds}, not {others[0]}")
+        raise PassError(f"kv_cache_dtype: narrow caches are for {kinds}, not {others[0]}")
     return nodes
 
 
 def kv_cache_dtype(
     program: Program, dtype: str = "int8", calibration: list[int] = (), headroom: float = HEADROOM
 ) -> tuple[Program, dict]:
-    if dtype != "int8":
-        raise PassError(f"kv_cache_dtype: dtype {dtype!r}: int8 is the quantized cache it makes")
+    if dtype not in CACHE_DTYPES:
+        raise PassError(f"kv_cache_dtype: dtype {dtype!r}: one of {', '.join(CACHE_DTYPES)}")
     if program.kv_layout is None:
         raise PassError("kv_cache_dtype: run kv_cache first (it gives the program its KV cache)")
+    if dtype != "int8":
+        return narrow_float_caches(program, dtype)
     if len(calibration) < 2:
         raise PassError("kv_cache_dtype: calibration needs at least two token ids")
     if headroom < 1:
@@ -160,12 +165,26 @@ def kv_cache_dtype(
                 extras[kind] = gm.graph.get_attr(buffer)
         node.kwargs = {**node.kwargs, **extras}
     gm.recompile()
-    int8 = [
-        [replace(t, dtype="int8") if t.name in scales else t for t in specs]
+    program = with_cache_dtype(program, set(scales), "int8")
+    return program, {"int8_caches": len(scales), "calibration_tokens": len(calibration)}
+
+
+def narrow_float_caches(program: Program, dtype: str) -> tuple[Program, dict]:
+    """Every cache in `dtype` (the attentions cast what they write and read: ir/attention.py)."""
+    if program.spec.dtype == dtype:
+        raise PassError(f"kv_cache_dtype: the model's caches are {dtype} already")
+    _attention_nodes(program)  # attentions that cannot take one are refused
+    caches = {t.name for t in program.inputs if cache_layer(t.name) is not None}
+    return with_cache_dtype(program, caches, dtype), {f"{dtype}_caches": len(caches)}
+
+
+def with_cache_dtype(program: Program, caches: set[str], dtype: str) -> Program:
+    """The program with the inputs and outputs named in `caches` of `dtype`, re-exported."""
+    signature = [
+        [replace(t, dtype=dtype) if t.name in caches else t for t in specs]
         for specs in (program.inputs, program.outputs)
     ]
-    program = program.with_signature(*int8).reexport()
-    return program, {"int8_caches": len(scales), "calibration_tokens": len(calibration)}
+    return program.with_signature(*signature).reexport()
 
 
 def _fresh_prompts(program: Program, options: dict[str, Any]) -> Tensors:
@@ -176,30 +195,37 @@ def _fresh_prompts(program: Program, options: dict[str, Any]) -> Tensors:
     return example_inputs(program, batch=3, tokens=6, context=8, past_max=0, seed=1234)
 
 
-def _logits_of_int8(program: Program, inputs: Tensors, options: dict[str, Any]) -> Tensors:
-    """The int8 program's logits on the float program's inputs (their caches quantized)."""
+def _logits_of_narrow_cache(program: Program, inputs: Tensors, options: dict[str, Any]) -> Tensors:
+    """The narrow-cache program's logits on the float program's inputs (their caches cast or quantized)."""
     shaped = pool_scale if program.kv_layout is KVLayout.PAGED else (lambda scale: scale)
     gm = program.graph_module
-    scale = {name: shaped(getattr(gm, f"kv_{name}_scale")) for name in inputs if cache_layer(name) is not None}
-    quantized = {name: quantize_kv(v, scale[name]) if name in scale else v for name, v in inputs.items()}
-    return {LOGITS: program(**quantized)[LOGITS]}
+    dtypes = {t.name: getattr(torch, t.dtype) for t in program.inputs}
+    narrowed = {}
+    for name, value in inputs.items():
+        if cache_layer(name) is not None:
+            scale = getattr(gm, f"kv_{name}_scale", None)
+            value = quantize_kv(value, None if scale is None else shaped(scale), dtypes[name])
+        narrowed[name] = value
+    return {LOGITS: program(**narrowed)[LOGITS]}
 
 
 register_pass(
     Pass(
         name="kv_cache_dtype",
-        summary="an int8 KV cache, one scale per kv head and channel calibrated at compile time",
+        summary="a KV cache narrower than the model: float16/bfloat16, or int8 with calibrated per-channel scales",
         explain=(
-            "Runs the program once on calibration tokens with an empty cache, takes each layer's largest |value| "
-            "per kv head and channel (for keys rotated by rope, each rotate_half pair's largest norm, which any "
-            "later position may put in either channel), times a headroom (1.25), as int8's 127, and gives every "
-            "(paged_)attention or (paged_)qkv_attention its layer's k_scale and v_scale: new keys and values are "
-            "stored as int8 steps of the scale, the cache is read as int8 * scale. The caches (or pools) become int8 "
-            "inputs and outputs: a quarter of float32's bytes. Verified on the logits of prompts."
+            "dtype float16 or bfloat16: the caches (or pools) become inputs and outputs of that dtype, half of "
+            "float32's bytes; the attentions cast what they write and read. dtype int8 (the default): runs the "
+            "program once on calibration tokens with an empty cache, takes each layer's largest |value| per kv head "
+            "and channel (for keys rotated by rope, each rotate_half pair's largest norm, which any later position "
+            "may put in either channel), times a headroom (1.25), as int8's 127, and gives every (paged_)attention "
+            "or (paged_)qkv_attention its layer's k_scale and v_scale: new keys and values are stored as int8 steps "
+            "of the scale, the cache is read as int8 * scale. The caches (or pools) become int8 inputs and outputs: "
+            "a quarter of float32's bytes. Verified on the logits of prompts."
         ),
         run=kv_cache_dtype,
-        tolerance=0.1,
-        verification=Verification(inputs=_fresh_prompts, run=_logits_of_int8),
+        tolerance=lambda options: 0.1 if options.get("dtype", "int8") == "int8" else 0.02,
+        verification=Verification(inputs=_fresh_prompts, run=_logits_of_narrow_cache),
         calibrated=True,
     )
 )

@@ -17,5 +17,5 @@ BACKEND = Backend(
     summary="MLIR through torch-mlir (torch, linalg, stablehlo or tosa); linalg runs here, JIT-compiled (slow)",
     options=("dialect", "static_dims"),
     check="artifact:check_options",
-    int8_kv_targets=("cpu",),
+    kv_cache_dtypes={"cpu": ("int8",)},
 )

@@ -18,5 +18,6 @@ BACKEND = Backend(
     # 0.034 of the logits' scale on the tiny checkpoints (q8, q4g32, q4g32-zp4, q4g128-sym, q4mix), and on
     # SmolLM2 q4g32 up to ~1.3 of ~25 (0.05); at level 0 it computes in float32 (1.1e-6)
     tolerance=Tolerance(rounded_activations=0.1),
-    int8_kv_targets=("cpu",),  # GroupQueryAttention's PER_CHANNEL quantization; CUDA's PagedAttention has none
+    # GroupQueryAttention's PER_CHANNEL quantization (its float caches are q's dtype); CUDA's PagedAttention has none
+    kv_cache_dtypes={"cpu": ("int8",)},
 )

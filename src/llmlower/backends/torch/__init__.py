@@ -10,5 +10,5 @@ BACKEND = Backend(
     layouts={"cpu": KVLayout.PAGED},
     program_executor="program_executor:program_executor",
     summary="the reference: the Program's graph run eagerly by torch (no artifact)",
-    int8_kv_targets=("cpu",),
+    kv_cache_dtypes={"cpu": ("float16", "bfloat16", "int8")},
 )

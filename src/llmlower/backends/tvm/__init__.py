@@ -20,5 +20,5 @@ BACKEND = Backend(
     # accuracy_level 4 (the CPU default) rounds activations to int8 per group for the grouped quantized matmuls,
     # as ONNX Runtime's MatMulNBits does at its level 4
     tolerance=Tolerance(rounded_activations=0.1),
-    int8_kv_targets=("cpu",),  # the CUDA kernels read float pools
+    kv_cache_dtypes={"cpu": ("float16", "int8")},  # the CUDA kernels read pools of the model's dtype
 )

@@ -142,7 +142,8 @@ def append_kernel(
     """k/v of every row written into the pools at the row's position, in place (pools are the first two
     arguments): one task per row. Values may have a head size of their own (value_head_dim). int8 pools (CPU)
     take round(x / scale) saturated to [-128, 127], with the k_scale / v_scale arguments [kv_heads, head_dim]
-    (float32, read only then)."""
+    (float32, read only then); float pools of another dtype than k and v's (a float32 model's float16 cache) take
+    them cast."""
     dv = value_head_dim or head_dim
     row_elems = kv_heads * max(head_dim, dv)
     pool_dtype = pool_dtype or dtype
@@ -184,11 +185,13 @@ def append_kernel(
                         for i in T.serial(T.ceildiv(row_elems, CUDA_THREADS)):
                             e: T.let[T.int32] = i * CUDA_THREADS + tx
                             if e < kv_heads * head_dim:
-                                k_pool[block, pos % block_size, e // head_dim, e % head_dim] = k[
-                                    row, e // head_dim, e % head_dim
-                                ]
+                                k_pool[block, pos % block_size, e // head_dim, e % head_dim] = T.Cast(
+                                    pool_dtype, k[row, e // head_dim, e % head_dim]
+                                )
                             if e < kv_heads * dv:
-                                v_pool[block, pos % block_size, e // dv, e % dv] = v[row, e // dv, e % dv]
+                                v_pool[block, pos % block_size, e // dv, e % dv] = T.Cast(
+                                    pool_dtype, v[row, e // dv, e % dv]
+                                )
         else:
             for row in T.parallel(n):
                 with T.sblock("append"):
@@ -206,9 +209,9 @@ def append_kernel(
                                 v_pool[block, pos % block_size, h, d] = _to_int8(v[row, h, d], v_scale[h, d])
                         else:
                             for d in T.vectorized(head_dim):
-                                k_pool[block, pos % block_size, h, d] = k[row, h, d]
+                                k_pool[block, pos % block_size, h, d] = T.Cast(pool_dtype, k[row, h, d])
                             for d in T.vectorized(dv):
-                                v_pool[block, pos % block_size, h, d] = v[row, h, d]
+                                v_pool[block, pos % block_size, h, d] = T.Cast(pool_dtype, v[row, h, d])
 
     return paged_append
 
