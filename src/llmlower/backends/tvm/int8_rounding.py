@@ -4,18 +4,31 @@ even), so the two paths multiply the same integers."""
 
 from __future__ import annotations
 
+import math
+
 from tvm import tirx
 from tvm.script import tirx as T
 
 
 def group_max_macro(group: int):
-    """A macro group_max(k, i, b, g): k.x_max[i] = max |x| over group g of row i of x [a, b, K]."""
+    """A macro group_max(k, i, b, g): k.x_max[i] = max |x| over group g of row i of x [a, b, K], in vector lanes
+    (a running maximum in memory would wait on each store)."""
+    lanes = math.gcd(group, 16)
 
     @T.macro
     def group_max(k, i, b, g):
-        k.x_max[i] = T.float32(0)
-        for j in T.serial(group):
-            k.x_max[i] = T.max(k.x_max[i], T.fabs(k.x[i // b, i % b, g * group + j]))
+        with T.sblock("group_max"):
+            T.reads()
+            T.writes()
+            lane_max = T.sblock_alloc_buffer((lanes,), "float32")
+            for lane in T.vectorized(lanes):
+                lane_max[lane] = T.float32(0)
+            for j in T.serial(group // lanes):
+                for lane in T.vectorized(lanes):
+                    lane_max[lane] = T.max(lane_max[lane], T.fabs(k.x[i // b, i % b, g * group + j * lanes + lane]))
+            k.x_max[i] = lane_max[0]
+            for lane in T.unroll(1, lanes):
+                k.x_max[i] = T.max(k.x_max[i], lane_max[lane])
 
     return group_max
 

@@ -97,6 +97,7 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
         u // (2 * stream_bytes) * stream_bytes + u % stream_bytes + window * (u // stream_bytes % 2)
         for u in range(2 * window)
     ]
+    side_by_side = math.gcd(stream_bytes, 4)  # x's features rounded at once: adjacent bytes of a tile row
 
     @T.macro
     def round_row_to_tiles(k, i, rows, b):  # row i of x rounded per group into its tile, its scales and sums per group
@@ -106,18 +107,29 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
                 k.x_sums_t[g, i] = T.float32(0)
         else:
             for g in T.serial(groups):
-                group_max(k, i, b, g)
-                inverse: T.let[T.float32] = inverse_scale(k.x_max[i])
-                k.x_scale_t[g, i] = k.x_max[i] / T.float32(127)
-                k.x_sums_t[g, i] = T.float32(0)
-                for s in T.serial(streams):
-                    for j in T.serial(stream_bytes):
-                        rounded: T.let[T.int8] = T.Cast(
-                            "int8", T.nearbyint(k.x[i // b, i % b, g * group + j * streams + s] * inverse)
-                        )
-                        k.x_tiles[tile_position(shape, in_features, g * group + s * stream_bytes + j, i)] = rounded
-                        k.x_sums_t[g, i] += T.Cast("float32", rounded)
-                k.x_sums_t[g, i] = k.x_sums_t[g, i] * k.x_scale_t[g, i]  # what a zero point of 1 takes off the group
+                with T.sblock("round_group"):
+                    T.reads()
+                    T.writes()
+                    rounded = T.sblock_alloc_buffer((side_by_side,), "int8")
+                    sums = T.sblock_alloc_buffer((side_by_side,), "float32")  # in registers, by lanes
+                    group_max(k, i, b, g)
+                    inverse: T.let[T.float32] = inverse_scale(k.x_max[i])
+                    k.x_scale_t[g, i] = k.x_max[i] / T.float32(127)
+                    for lane in T.vectorized(side_by_side):
+                        sums[lane] = T.float32(0)
+                    for s in T.serial(streams):
+                        for j in T.serial(stream_bytes // side_by_side):
+                            for lane in T.vectorized(side_by_side):
+                                feature = T.meta_var(g * group + (j * side_by_side + lane) * streams + s)
+                                rounded[lane] = T.Cast("int8", T.nearbyint(k.x[i // b, i % b, feature] * inverse))
+                            for lane in T.vectorized(side_by_side):
+                                p = T.meta_var(g * group + s * stream_bytes + j * side_by_side + lane)
+                                k.x_tiles[tile_position(shape, in_features, p, i)] = rounded[lane]
+                                sums[lane] += T.Cast("float32", rounded[lane])
+                    k.x_sums_t[g, i] = sums[0]
+                    for lane in T.unroll(1, side_by_side):
+                        k.x_sums_t[g, i] += sums[lane]
+                    k.x_sums_t[g, i] = k.x_sums_t[g, i] * k.x_scale_t[g, i]  # what a zero point of 1 takes off it
 
     @T.macro
     def configure(config):  # palette 1: two of each, C 16 rows of 16 int32, A 16 rows of `depth` bytes, B depth / 4
