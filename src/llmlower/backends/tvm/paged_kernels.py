@@ -112,12 +112,11 @@ def _dot_lanes(
 
 
 @T.macro
-def _prefetch_rows(pool: T.Buffer, block: T.int32, kvh: T.int32, width: int, block_size: int, line_elems: int) -> None:
-    """Asks the caches for pool[block, :, kvh, :width] ahead of reading it: a kv head's rows in a block are short
+def _prefetch_row(pool: T.Buffer, block: T.int32, t: T.int32, kvh: T.int32, width: int, line_elems: int) -> None:
+    """Asks the caches for pool[block, t, kvh, :width] ahead of reading it: a kv head's rows in a block are short
     runs a whole position apart, a stride the hardware prefetchers follow too late for one decode row's walk."""
-    for t in T.serial(block_size):
-        for line in T.unroll(-(-width // line_elems)):
-            T.evaluate(prefetch(pool[block, t, kvh, line * line_elems]))
+    for line in T.unroll(-(-width // line_elems)):
+        T.evaluate(prefetch(pool[block, t, kvh, line * line_elems]))
 
 
 @T.macro
@@ -413,11 +412,13 @@ def attention_kernel(
                                 acc[g, d] = 0.0
                         for b in T.serial(lo // block_size, pos // block_size + 1):
                             block: T.let[T.int32] = block_tables[seq[0], b]
-                            if b < pos // block_size:  # the next block's keys and values, while this one's are read
-                                ahead: T.let[T.int32] = block_tables[seq[0], b + 1]
-                                _prefetch_rows(k_pool, ahead, kvh, head_dim, block_size, line_elems)
-                                _prefetch_rows(v_pool, ahead, kvh, dv, block_size, line_elems)
+                            # the next block's keys and values, a position per key of this one (a burst of them
+                            # all would wait on the cache's few outstanding misses)
+                            ahead: T.let[T.int32] = block_tables[seq[0], T.min(b + 1, pos // block_size)]
                             for t in T.serial(block_size):
+                                if b < pos // block_size:
+                                    _prefetch_row(k_pool, ahead, t, kvh, head_dim, line_elems)
+                                    _prefetch_row(v_pool, ahead, t, kvh, dv, line_elems)
                                 for g in T.serial(group):
                                     score[g, t] = NEG
                                 if lo <= b * block_size + t and b * block_size + t <= pos:
