@@ -88,6 +88,14 @@ def vector_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return poly * T.reinterpret("float32", T.if_then_else(n < T.float32(-126.0), 0, bits))
 
 
+def _tree(op, buffer: T.Buffer, g: tirx.PrimExpr, count: int) -> tirx.PrimExpr:
+    """op over buffer[g, :count] as a balanced tree (log2 steps deep, where a chain would wait on every one)."""
+    values = [buffer[g, i] for i in range(count)]
+    while len(values) > 1:
+        values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
+    return values[0]
+
+
 @T.macro
 def _dot_lanes(
     part: T.Buffer,
@@ -390,7 +398,7 @@ def attention_kernel(
                     m_new = T.sblock_alloc_buffer((group,), "float32")
                     alpha = T.sblock_alloc_buffer((group,), "float32")
                     part = T.sblock_alloc_buffer((group, lanes), "float32")
-                    total = T.sblock_alloc_buffer((group,), "float32")
+                    total = T.sblock_alloc_buffer((group, block_size), "float32")  # the softmax's sums, by key slot
                     row: T.let[T.int32] = task // kv_heads
                     kvh: T.let[T.int32] = task % kv_heads
                     _sequence_of(seq, query_start, num_seqs, row)
@@ -402,7 +410,10 @@ def attention_kernel(
                         lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
                         for g in T.serial(group):
                             m[g] = sink[kvh * group + g] if sinks else T.float32(NEG)
-                            total[g] = T.float32(1.0) if sinks else T.float32(0.0)
+                            for t in T.vectorized(block_size):
+                                total[g, t] = T.float32(0.0)
+                            if sinks:
+                                total[g, 0] = T.float32(1.0)
                             for d in T.vectorized(key_dim):
                                 q_s[g, d] = T.Cast("float32", q[row, kvh * group + g, d]) * scale
                             if quantized:
@@ -444,18 +455,14 @@ def attention_kernel(
                                                 "float32", b * block_size + t - pos
                                             )
                             for g in T.serial(group):
-                                m_new[g] = m[g]
-                                for t in T.serial(block_size):
-                                    m_new[g] = T.max(m_new[g], score[g, t])
+                                m_new[g] = T.max(m[g], _tree(T.max, score, g, block_size))
                                 alpha[g] = vector_exp(m[g] - m_new[g])
-                                total[g] *= alpha[g]
                                 for d in T.vectorized(value_dim):
                                     acc[g, d] *= alpha[g]
                                 m[g] = m_new[g]
                                 for t in T.vectorized(block_size):
                                     score[g, t] = vector_exp(score[g, t] - m[g])
-                                for t in T.unroll(block_size):
-                                    total[g] += score[g, t]
+                                    total[g, t] = total[g, t] * alpha[g] + score[g, t]
                             for t in T.serial(block_size):
                                 if lo <= b * block_size + t and b * block_size + t <= pos:
                                     for g in T.serial(group):
@@ -466,7 +473,9 @@ def attention_kernel(
                                 for d in T.vectorized(value_dim):
                                     acc[g, d] = acc[g, d] * v_scale[kvh, d]
                             for d in T.vectorized(value_dim):
-                                out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / total[g])
+                                out[row, kvh * group + g, d] = T.Cast(
+                                    dtype, acc[g, d] / _tree(T.Add, total, g, block_size)
+                                )
 
                     elif offset == lead:  # a prompt chunk's tile: its rows' query heads take every key at once
                         with T.sblock("tile"):
