@@ -1,14 +1,16 @@
-"""The int8 KV cache against the float one, on the example model (or --model): quality and speed in one run.
+"""Narrow KV caches against the float32 one, on the example model (or --model): quality and speed in one run.
 
 Quality: sliding-window perplexity at a 2,048-token window (--window) of a text the scales were not calibrated
-on (tests/data/perplexity.txt by default), for the float cache and the int8 cache at each --headroom.
+on (tests/data/perplexity.txt by default), for the float32 cache, a float16 one (where the backend's kernels read
+it) and the int8 cache at each --headroom.
 Speed: --streams sequences of --context prompt tokens each, all admitted at once; after every prompt is
 prefilled, the decode steps of --new-tokens tokens each are timed (output tokens/s, median of --repeats).
 Each row names its KV bytes per token. CPU artifacts of each of --backends (onnx: per-sequence caches,
 GroupQueryAttention; tvm: paged pools, llmlower's kernels), compiled once into --artifacts and reused.
 
-    .venv/bin/python benchmarks/kv_cache.py [--model example] [--quant q4mix] [--backends onnx,tvm] [--window 2048]
-        [--headroom 1.25] [--streams 16] [--context 2048] [--new-tokens 32] [--repeats 3] [--json FILE]
+    .venv/bin/python benchmarks/kv_cache.py [--model example] [--quant q4mix] [--backends onnx,tvm]
+        [--caches float32,float16,int8] [--window 2048] [--headroom 1.25] [--streams 16] [--context 2048]
+        [--new-tokens 32] [--repeats 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 from shaped_speed import machine
 
 from llmlower.api import compile_artifact, text_perplexity, tokenizer_of
+from llmlower.backends.registry import get_backend
 from llmlower.frontend import load, resolve_model
 from llmlower.frontend.calibration import calibration_ids
 from llmlower.frontend.example import cache_dir
@@ -38,15 +41,17 @@ from llmlower.spec import ModelSpec
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def compiled(model: str, backend: str, quant: str, headroom: float | None, directory: Path, rebuild: bool) -> Path:
-    """MODEL compiled for `backend` on the CPU with every position's logits (perplexity needs them), with the
-    float cache (headroom None) or the int8 one at `headroom`; reused when present."""
-    name = f"{backend}-{quant}-{'float' if headroom is None else f'int8-h{headroom:g}'}"
+def compiled(model: str, backend: str, quant: str, cache: str, headroom: float, directory: Path, rebuild: bool) -> Path:
+    """MODEL compiled for `backend` on the CPU with every position's logits (perplexity needs them), its cache in
+    `cache` (float32, float16, or int8 at `headroom`); reused when present."""
+    name = f"{backend}-{quant}-{ {'float32': 'float', 'float16': 'float16'}.get(cache, f'int8-h{headroom:g}') }"
     out = directory / name
     if (out / "manifest.json").exists() and not rebuild:
         return out
     pipeline = build_pipeline(quant=quant, all_logits=True)
-    if headroom is not None:
+    if cache == "float16":
+        pipeline.append(("kv_cache_dtype", {"dtype": "float16"}))
+    elif cache == "int8":
         ids = calibration_ids(tokenizer_of(load(resolve_model(model))))
         pipeline.append(("kv_cache_dtype", {"calibration": ids, "headroom": headroom}))
     print(f"[kv_cache] compiling {name} into {out}", file=sys.stderr)
@@ -82,6 +87,7 @@ def main() -> None:
     parser.add_argument("--quant", default="q4mix", help="weights (default q4mix, the recommended pipeline)")
     parser.add_argument("--backends", default="onnx,tvm", help="comma-separated: onnx (slots), tvm (paged)")
     parser.add_argument("--text", type=Path, default=ROOT / "tests" / "data" / "perplexity.txt")
+    parser.add_argument("--caches", default="float32,float16,int8", help="comma-separated: float32, float16, int8")
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--headroom", default="1.25", help="int8 variants: calibrated peak x headroom")
     parser.add_argument("--streams", type=int, default=16)
@@ -96,25 +102,28 @@ def main() -> None:
     args = parser.parse_args()
 
     text = args.text.read_text(encoding="utf-8")
-    variants = [None, *(float(h) for h in args.headroom.split(","))]
+    headrooms = [float(h) for h in args.headroom.split(",")]
+    caches = args.caches.split(",")
+    variants = [(c, h) for c in caches for h in (headrooms if c == "int8" else [0.0])]
     artifacts = {
-        (backend, h): compiled(args.model, backend, args.quant, h, args.artifacts, args.rebuild)
+        (backend, cache, h): compiled(args.model, backend, args.quant, cache, h, args.artifacts, args.rebuild)
         for backend in args.backends.split(",")
-        for h in variants
+        for cache, h in variants
+        if cache == "float32" or cache in get_backend(backend).kv_cache_dtypes.get("cpu", ())
     }
     rows = []
-    for (backend, headroom), artifact in artifacts.items():
+    for (backend, cache, headroom), artifact in artifacts.items():
         result, _ = text_perplexity(artifact, text, [], window=args.window)
         manifest = read_manifest(artifact, verify=False)
         per_token = ModelSpec.from_dict(manifest["spec"]).kv_bytes_per_token(kv_cache_dtype(manifest))
         row = {
             "backend": backend,
-            "cache": "float32" if headroom is None else f"int8 (headroom {headroom:g})",
+            "cache": f"int8 (headroom {headroom:g})" if cache == "int8" else cache,
             "kv_bytes_per_token": per_token,
             "perplexity": result.perplexity,
             "tokens_scored": result.tokens,
         }
-        if not args.no_speed and (headroom is None or headroom == variants[-1]):
+        if not args.no_speed and (cache != "int8" or headroom == headrooms[-1]):
             speeds = [
                 decode_speed(artifact, args.streams, args.context, args.new_tokens, args.threads)
                 for _ in range(args.repeats)

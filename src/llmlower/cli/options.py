@@ -71,8 +71,9 @@ def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="auto: the model's dtype; int8: a quarter of float32's KV bytes, scales per kv head and channel "
-        "calibrated when compiling (onnx, tvm, mlir and torch on the cpu)",
+        help="auto: the model's dtype; float16: half of a float32 model's KV bytes (tvm and torch on the cpu); "
+        "int8: a quarter, scales per kv head and channel calibrated when compiling (onnx, tvm, mlir and torch on "
+        "the cpu)",
     )
 
 
