@@ -3,15 +3,17 @@
 The workload is vLLM's `bench serve` (benchmarks/peers/vllm_serving.py, run from the vLLM venv against each server in
 turn): random prompts of 100 tokens, 128 output tokens each (EOS ignored), 48 requests, 16 at a time, streamed from
 /v1/completions; the client runs on the same machine. llmlower serves an artifact of the model (--backend onnx or
-tvm, --quant; compiled once into --artifacts) with max_num_seqs = --concurrency; vLLM's server the model's checkpoint in
-runner.native_dtype() (bf16 only where the CPU computes it). Both listen on 127.0.0.1 only and get --threads.
-Prints output tokens/s, TTFT p50/p99, TPOT p50 and inter-token p50/p99 for each, and the ratios the targets use.
-With --rounds N the two servers take turns N times, each round starting with the one that went second before (on a
-shared VM the machine drifts within minutes), and the ratios' medians over the rounds close the report.
+tvm, --quant, its KV cache in --kv-cache-dtype; compiled once into --artifacts) with max_num_seqs = --concurrency;
+vLLM's server the model's checkpoint in runner.native_dtype() (bf16 only where the CPU computes it). Both listen on
+127.0.0.1 only and get --threads. Prints output tokens/s, TTFT p50/p99, TPOT p50 and inter-token p50/p99 for each,
+and the ratios the targets use. With --rounds N the two servers take turns N times, each round starting with the one
+that went second before (on a shared VM the machine drifts within minutes), and the ratios' medians over the rounds
+close the report.
 
     bash benchmarks/peers/setup.sh vllm
-    .venv/bin/python benchmarks/http_vs_vllm.py [--model example] [--backend onnx] [--quant q4mix] [--requests 48]
-        [--concurrency 16] [--threads 2] [--rounds 1] [--artifacts DIR] [--json FILE]
+    .venv/bin/python benchmarks/http_vs_vllm.py [--model example] [--backend onnx] [--quant q4mix]
+        [--kv-cache-dtype auto] [--requests 48] [--concurrency 16] [--threads 2] [--rounds 1] [--artifacts DIR]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def main() -> None:
         "--backend", default="onnx", choices=("onnx", "tvm"), help="llmlower's backend for its artifact"
     )
     parser.add_argument("--quant", default="q4mix", help="llmlower's build_pipeline quant for its artifact")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="its KV cache: auto, float16 (tvm) or int8")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -115,10 +118,14 @@ def main() -> None:
         raise SystemExit(f"{VLLM_PYTHON} is missing: run `bash benchmarks/peers/setup.sh vllm` first")
     checkpoint = resolve_model(args.model)  # a checkpoint directory: vLLM reads it, and its tokenizer files
     args.tokenizer = checkpoint
-    directory = args.artifacts / f"{args.backend}-{args.quant}"
-    artifact = ensure_artifact(str(checkpoint), args.backend, {"quant": args.quant}, directory)
+    cache = "" if args.kv_cache_dtype == "auto" else f"-kv-{args.kv_cache_dtype}"
+    directory = args.artifacts / f"{args.backend}-{args.quant}{cache}"
+    artifact = ensure_artifact(
+        str(checkpoint), args.backend, {"quant": args.quant}, directory, kv_cache_dtype=args.kv_cache_dtype
+    )
     ceilings = machine_ceilings("cpu")
-    ours_name, theirs_name = f"llmlower serve ({args.backend} {args.quant})", f"vLLM server ({native_dtype()})"
+    ours = f"{args.backend} {args.quant}{'' if args.kv_cache_dtype == 'auto' else f', {args.kv_cache_dtype} KV'}"
+    ours_name, theirs_name = f"llmlower serve ({ours})", f"vLLM server ({native_dtype()})"
     servers = [(ours_name, llmlower_command, artifact), (theirs_name, vllm_command, checkpoint)]
     rounds = []
     for index in range(args.rounds):
