@@ -9,6 +9,8 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .lane_tree import buffer_tree
+
 
 def group_max_macro(group: int):
     """A macro group_max(k, i, b, g): k.x_max[i] = max |x| over group g of row i of x [a, b, K], in vector lanes
@@ -26,9 +28,7 @@ def group_max_macro(group: int):
             for j in T.serial(group // lanes):
                 for lane in T.vectorized(lanes):
                     lane_max[lane] = T.max(lane_max[lane], T.fabs(k.x[i // b, i % b, g * group + j * lanes + lane]))
-            k.x_max[i] = lane_max[0]
-            for lane in T.unroll(1, lanes):
-                k.x_max[i] = T.max(k.x_max[i], lane_max[lane])
+            k.x_max[i] = buffer_tree(T.max, lane_max, (), lanes)
 
     return group_max
 

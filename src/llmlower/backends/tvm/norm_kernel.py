@@ -8,12 +8,14 @@ is written and its squares summed in vector lanes as it is made, then the row is
 from __future__ import annotations
 
 import functools
+import operator
 
 import tvm
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
 from .cpu_schedule import LANES
+from .lane_tree import buffer_tree
 from .paged_kernels import ATTRS
 
 
@@ -36,14 +38,6 @@ def takes(x: relax.Expr, residual: relax.Expr, weight: relax.Expr) -> bool:
         and isinstance(weight.ty.shape[0], tirx.IntImm)
         and int(weight.ty.shape[0]) == int(hidden)
     )
-
-
-def _lane_sum(squares: tirx.Buffer) -> tirx.PrimExpr:
-    """The lanes of a vector of partial sums, added up."""
-    total = squares[0]
-    for lane in range(1, LANES):
-        total = total + squares[lane]
-    return total
 
 
 @functools.cache
@@ -77,7 +71,9 @@ def add_rms_norm_kernel(hidden: int, eps: float) -> tirx.PrimFunc:
                             squares[lane] += (
                                 total[i // b, i % b, c * LANES + lane] * total[i // b, i % b, c * LANES + lane]
                             )
-                    inverse: T.let[T.float32] = T.rsqrt(_lane_sum(squares) / T.float32(hidden) + T.float32(eps))
+                    inverse: T.let[T.float32] = T.rsqrt(
+                        buffer_tree(operator.add, squares, (), LANES) / T.float32(hidden) + T.float32(eps)
+                    )
                     for c in T.serial(hidden // LANES):
                         for lane in T.vectorized(LANES):
                             normed[i // b, i % b, c * LANES + lane] = (

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import numpy as np
 from tvm import DataType, relax, te, tirx
@@ -31,6 +32,7 @@ from tvm.script import tirx as T
 from tvm.target import Target
 
 from .cpu_schedule import LANES, float_lanes  # LANES: float32 partial sums per dot product on CPU (one AVX2 register)
+from .lane_tree import buffer_tree
 from .prefetch import LINE_BYTES, prefetch
 
 NEG = -1e30  # a finite minus infinity: exp(NEG - m) is 0 and NEG - NEG is no NaN
@@ -86,14 +88,6 @@ def vector_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
         poly = poly * r + T.float32(1.0 / k)
     bits = T.shift_left(T.Cast("int32", n) + 127, 23)
     return poly * T.reinterpret("float32", T.if_then_else(n < T.float32(-126.0), 0, bits))
-
-
-def _tree(op, buffer: T.Buffer, g: tirx.PrimExpr, count: int) -> tirx.PrimExpr:
-    """op over buffer[g, :count] as a balanced tree (log2 steps deep, where a chain would wait on every one)."""
-    values = [buffer[g, i] for i in range(count)]
-    while len(values) > 1:
-        values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
-    return values[0]
 
 
 @T.macro
@@ -455,7 +449,7 @@ def attention_kernel(
                                                 "float32", b * block_size + t - pos
                                             )
                             for g in T.serial(group):
-                                m_new[g] = T.max(m[g], _tree(T.max, score, g, block_size))
+                                m_new[g] = T.max(m[g], buffer_tree(T.max, score, (g,), block_size))
                                 alpha[g] = vector_exp(m[g] - m_new[g])
                                 for d in T.vectorized(value_dim):
                                     acc[g, d] *= alpha[g]
@@ -474,7 +468,7 @@ def attention_kernel(
                                     acc[g, d] = acc[g, d] * v_scale[kvh, d]
                             for d in T.vectorized(value_dim):
                                 out[row, kvh * group + g, d] = T.Cast(
-                                    dtype, acc[g, d] / _tree(T.Add, total, g, block_size)
+                                    dtype, acc[g, d] / buffer_tree(operator.add, total, (g,), block_size)
                                 )
 
                     elif offset == lead:  # a prompt chunk's tile: its rows' query heads take every key at once

@@ -16,12 +16,14 @@ keeps the vector path if refused."""
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple
 
 from tvm import DataType, tirx
 from tvm.script import tirx as T
 
 from .int8_rounding import group_max_macro, inverse_scale
+from .lane_tree import buffer_tree
 from .prefetch import LINE_BYTES, prefetch
 
 TILE_ROWS = 16  # rows of every tile: weight rows of A, x rows of B (as 4-byte lanes), both of C
@@ -126,10 +128,8 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
                                 p = T.meta_var(g * group + s * stream_bytes + j * side_by_side + lane)
                                 k.x_tiles[tile_position(shape, in_features, p, i)] = rounded[lane]
                                 sums[lane] += T.Cast("float32", rounded[lane])
-                    k.x_sums_t[g, i] = sums[0]
-                    for lane in T.unroll(1, side_by_side):
-                        k.x_sums_t[g, i] += sums[lane]
-                    k.x_sums_t[g, i] = k.x_sums_t[g, i] * k.x_scale_t[g, i]  # what a zero point of 1 takes off it
+                    # what a zero point of 1 takes off the group
+                    k.x_sums_t[g, i] = buffer_tree(operator.add, sums, (), side_by_side) * k.x_scale_t[g, i]
 
     @T.macro
     def configure(config):  # palette 1: two of each, C 16 rows of 16 int32, A 16 rows of `depth` bytes, B depth / 4

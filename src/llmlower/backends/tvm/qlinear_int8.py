@@ -15,6 +15,7 @@ MIN_ROWS rows or more take qlinear_amx's tiles instead (the same rounded integer
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple
 
 from tvm import tirx
@@ -22,6 +23,7 @@ from tvm.script import tirx as T
 
 from .int8_dot import VNNI, Int8Dot, dot_u8_s8
 from .int8_rounding import group_max_macro, inverse_scale
+from .lane_tree import buffer_tree
 from .paged_kernels import ATTRS
 from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_granted, tiles_of
 
@@ -157,10 +159,7 @@ def int8_kernel(
         return spread([zero_point(zeros, bits, k.zeros, n, s * per_vector + q) for q in range(per_vector)])
 
     def lane_total(k, acc, r, n):  # row r's lanes summed, plus the bias
-        total = k.bias[n] if bias else T.float32(0)
-        for lane in range(lanes):
-            total = total + acc[r, lane]
-        return total
+        return buffer_tree(operator.add, acc, (r,), lanes) + (k.bias[n] if bias else T.float32(0))
 
     @T.macro
     def round_row(k, i, b):  # row i of x rounded per group, with its scales and sums spread over the lanes
