@@ -174,7 +174,9 @@ def test_the_backends_hold_the_same_int8_cache(int8_artifacts, tiny_llama, tmp_p
     assert tokens[0] == tokens[1] == tokens[2]
 
 
-def test_what_cannot_take_a_narrow_cache_is_refused_before_compiling(tiny_llama, tiny_checkpoints, tmp_path, capsys):
+def test_what_cannot_take_a_narrow_cache_is_refused_before_compiling(
+    tiny_llama, tiny_checkpoints, tmp_path, capsys, monkeypatch
+):
     for backend in ("onnx", "tvm"):
         with pytest.raises(ArgumentError, match=f"--backend {backend} --target cuda do not read int8 caches"):
             compile_artifact(tiny_llama, tmp_path / backend, backend=backend, target="cuda", kv_cache_dtype="int8")
@@ -189,7 +191,10 @@ def test_what_cannot_take_a_narrow_cache_is_refused_before_compiling(tiny_llama,
     with pytest.raises(SystemExit):
         main(["compile", str(tiny_llama), "-o", str(tmp_path / "int4"), "--kv-cache-dtype", "int4"])
     assert "--kv-cache-dtype: invalid choice: 'int4'" in capsys.readouterr().err
-    assert not list(tmp_path.iterdir())  # nothing written
+    monkeypatch.setenv("LLMLOWER_CACHE", str(tmp_path / "cache"))
+    assert main(["generate", str(tiny_llama), "--prompt", "x", "--backend", "onnx", "--kv-cache-dtype", "float16"]) == 1
+    assert "do not read float16 caches" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written, not even the artifact cache's directory
 
 
 @pytest.fixture(scope="module")

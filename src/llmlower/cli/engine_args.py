@@ -119,10 +119,12 @@ def engine_from_args(args: argparse.Namespace, sequences: int, backend: str = "t
 def compile_request(args: argparse.Namespace, backend: str) -> CompileRequest:
     """What generate, chat and serve compile MODEL with: the pipeline flags (--quant RECOMMENDED_QUANT unless
     given), --dtype, --block-size where the backend fixes it when compiling (a paged KV layout), the self-draft of
-    --speculative self:K and --kv-cache-dtype, for the CPU."""
+    --speculative self:K and --kv-cache-dtype (checked against the backend before anything compiles), for the CPU."""
+    from ..api import check_kv_cache_dtype
     from ..backends.registry import get_backend
     from ..step_io import KVLayout
 
+    check_kv_cache_dtype(args.kv_cache_dtype, args.dtype or "float32", backend, "cpu")
     quant = args.quant or RECOMMENDED_QUANT
     paged = get_backend(backend).layout("cpu") is KVLayout.PAGED
     pipeline = tuple(pass_pipeline(args, default_quant=quant))
