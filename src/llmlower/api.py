@@ -40,10 +40,9 @@ def compile_program(
     kv_cache_dtype: str = "auto",
 ) -> tuple[LoadedModel, Program]:
     """Load MODEL (checkpoint directory, .gguf file or 'example'), capture it and run the pipeline; with
-    `kv_layout`, the pipeline is first adapted to it (PAGED adds paged_attention with `block_size`); an int8
+    `kv_layout`, the pipeline is first adapted to it (PAGED adds paged_attention with `block_size`); a
     `kv_cache_dtype` other than the model's adds the kv_cache_dtype pass last (with_kv_cache_dtype); calibrated
-    passes get their text
-    (with_calibration)."""
+    passes get their text (with_calibration)."""
     check_block_size(block_size)
     if kv_layout is not None:
         pipeline = with_kv_layout(pipeline, kv_layout, block_size)

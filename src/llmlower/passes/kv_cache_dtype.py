@@ -36,11 +36,11 @@ from ..ir.program import (
 )
 from ..ir.qkv_attention import QKV_ATTENTION
 from ..ir.rope import ROPE
-from ..step_io import BLOCK_TABLES, KVLayout, cache_layer
+from ..step_io import BLOCK_TABLES, KV_CACHE_DTYPES, KVLayout, cache_layer
 from .registry import Pass, Tensors, Verification, register_pass
 
 INT8_MAX = 127
-CACHE_DTYPES = ("float16", "bfloat16", "int8")
+CACHE_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")  # what the pass makes: --kv-cache-dtype's others
 HEADROOM = 1.25  # the calibrated peak sits at 127 / 1.25: keys a bit beyond it (another text) are not clipped
 # each attention's k and v cache (or pool) argument positions
 CACHE_ARGUMENTS = {

@@ -466,10 +466,9 @@ def attention_kernel(
                             if quantized:
                                 for d in T.vectorized(value_dim):
                                     acc[g, d] = acc[g, d] * v_scale[kvh, d]
+                            denominator: T.let[T.float32] = buffer_tree(operator.add, total, (g,), block_size)
                             for d in T.vectorized(value_dim):
-                                out[row, kvh * group + g, d] = T.Cast(
-                                    dtype, acc[g, d] / buffer_tree(operator.add, total, (g,), block_size)
-                                )
+                                out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / denominator)
 
                     elif offset == lead:  # a prompt chunk's tile: its rows' query heads take every key at once
                         with T.sblock("tile"):
