@@ -5,6 +5,7 @@ VNNI keeps the float kernel; the option's errors and the artifact's manifest."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import platform
@@ -17,6 +18,7 @@ import tvm
 from llmlower.api import compile_artifact
 from llmlower.backends.tvm.compile import tvm_target
 from llmlower.backends.tvm.int8_dot import MADDUBS, VNNI, Int8Dot, int8_dot_product
+from llmlower.backends.tvm.qlinear_amx_bf16 import BF16_MIN_ROWS
 from llmlower.backends.tvm.qlinear_kernel import qlinear_kernel
 from llmlower.errors import LlmlowerError
 from llmlower.ir.quant import QuantScheme, quantize
@@ -174,6 +176,47 @@ def test_float16_scales_give_what_the_same_scales_in_float32_give(quant):
                 _run_kernel(dot, rows, narrow, scheme.bits, zeros, bias),
                 _run_kernel(dot, rows, wide, scheme.bits, zeros, bias),
             )
+
+
+def _bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float64."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+    return rounded.view(np.float32).astype(np.float64)
+
+
+def _amx_bf16() -> Int8Dot | None:
+    here = int8_dot_product(tvm_target("cpu")) if platform.machine() in ("x86_64", "AMD64") else None
+    return here if here is not None and here.amx_bf16 else None
+
+
+@x86
+@pytest.mark.skipif(_amx_bf16() is None, reason="this CPU has no AMX bfloat16 tiles")
+@pytest.mark.parametrize(("quant", "out_features"), [("q4g32-sym", 128), ("q4g32", 96), ("q4g64-zp4", 128)])
+def test_prompt_sized_calls_multiply_in_bfloat16(quant, out_features):
+    """Calls of BF16_MIN_ROWS rows or more with 4-bit grouped weights take AMX's bfloat16 tiles: x and the
+    dequantized weights (scale x q - scale x zero, one rounding) rounded to bfloat16, their products summed in
+    float32, as numpy computes them: 96 rows (six tiles), 161 (a short last tile and a padding one), in tasks of 32
+    weight rows (96) and of 4 x 32 (128). Closer to the float kernel than x rounded to int8 per group."""
+    scheme, zeros = SCHEMES[quant]
+    in_features = 576 if scheme.group == 32 else 512
+    gen = torch.Generator().manual_seed(5)
+    q = quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, scheme)
+    tensors = [t.numpy() for t in (q.qweight, q.scales, q.zeros) if t is not None]
+    bias = torch.randn(out_features, generator=gen).numpy()
+    groups = in_features // scheme.group
+    scales = np.repeat(q.scales.numpy().astype(np.float64), scheme.group, axis=1)
+    offsets = np.repeat(q.scales.numpy() * np.float32(_zero_points(scheme, q.zeros, groups)), scheme.group, axis=1)
+    weights = _bfloat16((_unpacked(tensors[0]) * scales - offsets).astype(np.float32))
+    int8_tiles = dataclasses.replace(_amx_bf16(), amx_bf16=False)
+    for rows in (BF16_MIN_ROWS, 161):
+        x = (torch.randn(rows, in_features, generator=gen) * 3).numpy()
+        got = _run_kernel(_amx_bf16(), x, tensors, scheme.bits, zeros, bias)
+        expected = _bfloat16(x) @ weights.T + bias
+        assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+        exact = _run_kernel(None, x, tensors, scheme.bits, zeros, bias)
+        in_int8 = _run_kernel(int8_tiles, x, tensors, scheme.bits, zeros, bias)
+        assert np.abs(got - exact).mean() < np.abs(in_int8 - exact).mean()
 
 
 @x86

@@ -39,7 +39,7 @@ TARGETS = ("cpu", "cuda")
 # compiled: the Relax VM's functions (a step's ~850 kernel calls, shapes and allocations) become native code;
 # bytecode: the VM interprets them, which lets a per-call instrument time each call (benchmarks/profile_step.py)
 VM_EXEC_MODES = ("compiled", "bytecode")
-HOST_EXTRAS = ("amx-tile", "amx-int8")  # LLVM features a VM's CPU name may hide (their flags: cpu_features)
+HOST_EXTRAS = ("amx-tile", "amx-int8", "amx-bf16")  # LLVM features a VM's CPU name may hide (their flags: cpu_features)
 CUDA_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 DEFAULT_CUDA_ARCH = "sm_80"
 

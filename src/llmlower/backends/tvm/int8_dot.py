@@ -24,11 +24,13 @@ _MADDUBS = {  # bytes -> (u8 x s8 pair sums into int16, int16 pair sums into int
 @dataclass(frozen=True)
 class Int8Dot:
     """An int8 dot-product instruction (VNNI or MADDUBS), the widest vector, in bytes, it runs on here, and whether
-    the CPU also has AMX's int8 tiles (many-row calls: qlinear_amx)."""
+    the CPU also has AMX's int8 tiles (many-row calls: qlinear_amx) and its bfloat16 ones (prompt-sized calls of
+    grouped weights: qlinear_amx_bf16)."""
 
     kind: str
     widest: int
     amx: bool = False
+    amx_bf16: bool = False
 
 
 def int8_dot_product(target: tvm.target.Target) -> Int8Dot | None:
@@ -37,7 +39,8 @@ def int8_dot_product(target: tvm.target.Target) -> Int8Dot | None:
         return None
     features = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target)}
     if {"avx512vnni", "avx512vl"} <= features:
-        return Int8Dot(VNNI, 64, amx={"amx-tile", "amx-int8"} <= features)
+        amx = {"amx-tile", "amx-int8"} <= features
+        return Int8Dot(VNNI, 64, amx=amx, amx_bf16=amx and "amx-bf16" in features)
     if "avxvnni" in features:
         return Int8Dot(VNNI, 32)
     if "ssse3" not in features:

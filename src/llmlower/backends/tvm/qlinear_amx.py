@@ -63,7 +63,8 @@ def tile_rows(t: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.ramp(t * TILE_ROWS, 1, TILE_ROWS)
 
 
-def _intrinsic(name: str, *args: tirx.PrimExpr) -> None:
+def x86_intrinsic(name: str, *args: tirx.PrimExpr) -> None:
+    """Emit the x86 instruction llvm.x86.<name> (AMX tile operations) with `args` (tile numbers as int8 immediates)."""
     T.evaluate(T.call_llvm_intrin("void", f"llvm.x86.{name}", *args))
 
 
@@ -143,7 +144,7 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
             config[48 + A_TILE + 2 * tiles] = T.uint8(TILE_ROWS)
             config[16 + 2 * (B_TILE + 2 * tiles)] = T.uint8(64)
             config[48 + B_TILE + 2 * tiles] = T.uint8(depth // 4)
-        _intrinsic("ldtilecfg", T.address_of(config[0]))
+        x86_intrinsic("ldtilecfg", T.address_of(config[0]))
 
     @T.macro
     def prefetch_part(buffer, first, g):  # group g's share of the next task's rows of a [out_features, ...] buffer
@@ -170,7 +171,7 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
         if one_tile and unpack and g % window_groups == 0 and w + 1 < windows:  # the next window, one ahead so
             for r in T.serial(TILE_ROWS):  # that its stores are in L1 by the time tiles load them
                 unpack_window(k, unpacked, first, r, w + 1, (w + 1) % 2)
-        _intrinsic("tilezero", T.int8(C_TILE + tiles))
+        x86_intrinsic("tilezero", T.int8(C_TILE + tiles))
         for q in T.serial(group // depth):
             at = T.meta_var(g * group + q * depth)  # in stream order
             if unpack:  # one tile: the group's place in its window's half of the buffer; more: in the task's bytes
@@ -180,9 +181,9 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
                 weights = T.meta_var(T.address_of(k.weight[first, at]))
             x_rows = T.meta_var(T.address_of(k.x_tiles[(t * in_features + at) * TILE_ROWS]))
             stride = T.meta_var(unpacked.shape[1] if unpack else row_bytes)
-            _intrinsic("tileloadd64", T.int8(A_TILE + 2 * tiles), weights, T.int64(stride))
-            _intrinsic("tileloadd64", T.int8(B_TILE + 2 * tiles), x_rows, T.int64(64))
-            _intrinsic("tdpbusd", T.int8(C_TILE + tiles), T.int8(A_TILE + 2 * tiles), T.int8(B_TILE + 2 * tiles))
+            x86_intrinsic("tileloadd64", T.int8(A_TILE + 2 * tiles), weights, T.int64(stride))
+            x86_intrinsic("tileloadd64", T.int8(B_TILE + 2 * tiles), x_rows, T.int64(64))
+            x86_intrinsic("tdpbusd", T.int8(C_TILE + tiles), T.int8(A_TILE + 2 * tiles), T.int8(B_TILE + 2 * tiles))
 
     @T.macro
     def drain_half(k, tiles, sums, acc, half, first, t, g):  # half of the C tile's weight rows into acc
@@ -195,7 +196,7 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
 
     @T.macro
     def drain(k, tiles, sums, low, high, first, t, g):  # C tile `tiles`, group g's sums, into acc with its scales
-        _intrinsic("tilestored64", T.int8(C_TILE + tiles), T.address_of(sums[tiles, 0, 0]), T.int64(4 * TILE_ROWS))
+        x86_intrinsic("tilestored64", T.int8(C_TILE + tiles), T.address_of(sums[tiles, 0, 0]), T.int64(4 * TILE_ROWS))
         drain_half(k, tiles, sums, low, 0, first, t, g)
         drain_half(k, tiles, sums, high, HALF, first, t, g)
 
@@ -253,6 +254,6 @@ def amx_macros(shape: AmxShape, group: int, groups: int, in_features: int, bits:
                             unpack_window(k, unpacked, first, r, w, w)
                     for t in T.serial(tiles_of(rows)):
                         tile_of_x(k, sums, low, high, unpacked, False, first, t, rows, b)
-            _intrinsic("tilerelease")
+            x86_intrinsic("tilerelease")
 
     return round_row_to_tiles, weight_rows

@@ -26,6 +26,7 @@ from .int8_rounding import group_max_macro, inverse_scale
 from .lane_tree import buffer_tree
 from .paged_kernels import ATTRS
 from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_granted, tiles_of
+from .qlinear_amx_bf16 import BF16_MIN_ROWS, DEPTH, bf16_macros, bf16_task_rows, x_tile_pairs
 
 TILE = 4  # activation rows a weight vector is multiplied with while it is in a register (8 accumulators)
 
@@ -85,6 +86,7 @@ class Operands(NamedTuple):
     x_tiles: tirx.Buffer | None = None  # AMX: [tiles * 16 * in_features] int8, x rounded in tiles (qlinear_amx)
     x_scale_t: tirx.Buffer | None = None  # AMX: [groups, tiles * 16]: each group's scale, row by row
     x_sums_t: tirx.Buffer | None = None  # AMX: [groups, tiles * 16]: each group's rounded sum x its scale
+    x_pairs: tirx.Buffer | None = None  # AMX bfloat16: uint32 [tiles * in_features / 2 * 16], qlinear_amx_bf16's
 
 
 @functools.cache
@@ -114,17 +116,18 @@ def int8_kernel(
     group_max = group_max_macro(group)
     zero_shape, zero_dtype = zero_layout(zeros, out_features, groups, scale_dtype)
     amx = amx_shape(bits, group, out_features) if int8_dot.amx else None
+    operand_reads = (
+        lambda k, n, g: zero_point(zeros, bits, k.zeros, n, g),
+        lambda k, n, g: T.Cast("float32", k.scales[n, g]),
+        lambda k, n: k.bias[n] if bias else T.float32(0),
+    )
     if amx is not None:
-        round_row_to_tiles, amx_weight_rows = amx_macros(
-            amx,
-            group,
-            groups,
-            in_features,
-            bits,
-            lambda k, n, g: zero_point(zeros, bits, k.zeros, n, g),
-            lambda k, n, g: T.Cast("float32", k.scales[n, g]),
-            lambda k, n: k.bias[n] if bias else T.float32(0),
-        )
+        round_row_to_tiles, amx_weight_rows = amx_macros(amx, group, groups, in_features, bits, *operand_reads)
+    # grouped 4-bit weights on bfloat16 tiles (8-bit ones and per-channel ones keep int8's, twice bfloat16's rate)
+    bf16_task = bf16_task_rows(out_features, in_features)
+    in_bf16 = int8_dot.amx_bf16 and bits == 4 and groups > 1 and in_features % DEPTH == 0 and bf16_task is not None
+    if in_bf16:
+        pairs_of_row, bf16_weight_rows = bf16_macros(group, in_features, out_features, *operand_reads)
 
     def rounded_x(k, i, at):  # the rounded x row i has at weight byte `at` (4-bit: both nibbles'), summed
         if bits == 4:
@@ -247,7 +250,18 @@ def int8_kernel(
             x_max = T.sblock_alloc_buffer((a * b,), "float32")
             operands = T.meta_var(Operands(x, weight, scales, zero_buffer, bias_buffer, out, x_max))
             # many rows on AMX tiles; the syscall only where they would be taken (decode's one row never makes it)
-            if amx is not None and T.if_then_else(a * b >= MIN_ROWS, tiles_granted(), False):
+            if in_bf16 and T.if_then_else(a * b >= BF16_MIN_ROWS, tiles_granted(), False):
+                with T.sblock("amx_bf16"):
+                    T.reads()
+                    T.writes()
+                    padded_rows = T.meta_var(x_tile_pairs(a * b) * TILE_ROWS)
+                    x_pairs = T.sblock_alloc_buffer((padded_rows * (in_features // 2),), "uint32")
+                    k = T.meta_var(operands._replace(x_pairs=x_pairs))
+                    for i in T.parallel(padded_rows):
+                        pairs_of_row(k, i, a * b, b)
+                    for task in T.parallel(out_features // bf16_task):
+                        bf16_weight_rows(k, task, a * b, b)
+            elif amx is not None and T.if_then_else(a * b >= MIN_ROWS, tiles_granted(), False):
                 with T.sblock("amx"):
                     T.reads()
                     T.writes()
