@@ -9,8 +9,9 @@ configuration, 135 M parameters).
 
 Rows: batch-1 decode tokens/s (64 greedy tokens after a 13-token prompt), TTFT of 512- and 2,048-token prompts
 (speed.py's loop), 16 requests of 100 prompt tokens and 128 new tokens each, all at once (vLLM's offline workload:
-output tokens / wall time; prefix caching off, so each repeat prefills again); for each engine the bytes a decoded
-token reads and the share of the machine's measured bandwidth its decode reaches. Peers, set up by
+output tokens / wall time; prefix caching off, so each repeat prefills again; llmlower's step budget a batch job's,
+--offline-budget, as vLLM's LLM class takes 4096 tokens a step on a CPU by default); for each engine the bytes a
+decoded token reads and the share of the machine's measured bandwidth its decode reaches. Peers, set up by
 benchmarks/peers/setup.sh: llama.cpp (its own converter, then its quantizer: --llamacpp Q4_0,Q4_K_M), ONNX Runtime
 GenAI's builder (its CPU int4 defaults: --genai) and vLLM's CPU build (--vllm: bf16 where the CPU computes it, else
 float32). Bytes a token reads: llmlower from the roofline cost model on the artifact's own pipeline (the chosen
@@ -18,7 +19,7 @@ experts only), peers from their model files (dense shapes only: their files hold
 
     .venv/bin/python benchmarks/shaped_speed.py [--shape llama-1b] [--quants q4mix,q4g32-sym] [--lm-head-bits 4]
         [--scale-dtypes auto,float16] [--kv-cache-dtypes auto,float16] [--backends onnx] [--llamacpp Q4_0] [--genai]
-        [--vllm] [--new-tokens 64] [--repeats 3] [--threads N] [--json FILE]
+        [--vllm] [--new-tokens 64] [--offline-budget 2048] [--repeats 3] [--threads N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ PEERS = Path(__file__).parent / "peers"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROMPT_TOKENS = (13, 512, 2048)  # the first is the decode's prompt
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_NEW = 16, 100, 128
+OFFLINE_BUDGET = 2048  # tokens a step for the 16 requests: every prompt in one step, as vLLM's offline engine runs
 OFFLINE = f"offline_{OFFLINE_REQUESTS}_tokens_per_s"  # the 16 requests' figure in a row (vllm_offline.py's name)
 SCALES = {  # --scale-dtypes value -> (build_pipeline options, row name suffix, directory suffix)
     "auto": ({}, "", ""),
@@ -269,6 +271,12 @@ def main() -> None:
     parser.add_argument("--genai", action="store_true", help="also run ONNX Runtime GenAI's int4 (setup.sh ortgenai)")
     parser.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build (setup.sh vllm)")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--offline-budget",
+        type=int,
+        default=OFFLINE_BUDGET,
+        help="llmlower's max_num_batched_tokens for the 16 requests (the engine's default, 128, suits streaming)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--json", help="also write the report here")
@@ -327,7 +335,12 @@ def main() -> None:
         del engine
         # prefix caching off, as vllm_offline.py runs vLLM: each repeat prefills its prompts again
         many = Engine.load(
-            directory, max_num_seqs=OFFLINE_REQUESTS, max_context=256, threads=args.threads, enable_prefix_caching=False
+            directory,
+            max_num_seqs=OFFLINE_REQUESTS,
+            max_num_batched_tokens=args.offline_budget,
+            max_context=256,
+            threads=args.threads,
+            enable_prefix_caching=False,
         )
         print(f"[shaped] {name}: {OFFLINE_REQUESTS} requests", file=sys.stderr)
         runs = [offline_throughput(many, offline) for _ in range(args.repeats)]
@@ -358,6 +371,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "commit": commit,
         "threads": args.threads,
+        "offline_budget": args.offline_budget,
         "decode_context": read_context,
         "dense_equivalent_bytes_per_token": dense_equivalent_read_bytes(
             config, next(iter(builds.values()))[1], read_context
@@ -365,6 +379,7 @@ def main() -> None:
         "rows": rows,
     }
     print(f"{args.shape}, {report['parameters'] / 1e9:.2f} B parameters; {report['machine']}")
+    print(f"16 requests: llmlower at {args.offline_budget} tokens a step (--offline-budget)")
     print(f"{report['date']}, commit {commit}; medians of {args.repeats}")
     print_table(rows)
     if args.json:
