@@ -68,6 +68,7 @@ ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline op
     "tvm fp32": ("tvm-none", "tvm", {}),
     "tvm q4g32": ("tvm-q4g32", "tvm", {"quant": "q4g32"}),
     "tvm q4mix": ("tvm-q4mix", "tvm", {"quant": "q4mix"}),
+    "tvm q4mix-a8": ("tvm-q4mix-a8", "tvm", {"quant": "q4mix-a8"}),
     "tvm q4g32-sym int4 head": ("tvm-q4g32-sym-head4", "tvm", {"quant": "q4g32-sym", "lm_head_bits": 4}),
     "tvm q4g32-sym int4 head f16 scales": (
         "tvm-q4g32-sym-head4-f16",
