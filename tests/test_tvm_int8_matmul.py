@@ -1,7 +1,7 @@
-"""The TVM CPU kernel's int8 path (accuracy_level 4): grouped matmuls (4-bit weights, and 8-bit ones with VNNI,
-per-channel ones too: one group a row) with x rounded to int8 per group, one row and many, on each int8
-dot-product instruction and vector width this CPU has, against the same integer arithmetic in numpy; 8-bit without
-VNNI keeps the float kernel; the option's errors and the artifact's manifest."""
+"""The TVM CPU kernel's int8 path (accuracy_level 4): grouped matmuls (4- and 8-bit weights, per-channel ones too:
+one group a row) with x rounded to int8 per group, one row and many, on each int8 dot-product instruction and
+vector width this CPU has, against the same integer arithmetic in numpy; groups of less than a vector keep the float
+kernel; the option's errors and the artifact's manifest."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from llmlower.api import compile_artifact
 from llmlower.backends.tvm.compile import tvm_target
 from llmlower.backends.tvm.int8_dot import MADDUBS, VNNI, Int8Dot, int8_dot_product
 from llmlower.backends.tvm.qlinear_amx_bf16 import BF16_MIN_ROWS
+from llmlower.backends.tvm.qlinear_int8 import MADDUBS_FLOAT_ROWS
 from llmlower.backends.tvm.qlinear_kernel import qlinear_kernel
 from llmlower.errors import LlmlowerError
 from llmlower.ir.quant import QuantScheme, quantize
@@ -100,20 +101,14 @@ def _zero_points(scheme: QuantScheme, zeros: torch.Tensor | None, groups: int) -
     return zeros.numpy().astype(np.float64)
 
 
-def _cases() -> list[tuple[Int8Dot, str]]:
-    """(instruction, --quant) pairs that take the int8 path: 8-bit weights with VNNI only."""
-    return [
-        (dot, quant) for dot in _instructions() for quant in sorted(SCHEMES) if dot.kind == VNNI or "q8" not in quant
-    ]
-
-
 @x86
-@pytest.mark.parametrize(("dot", "quant"), _cases(), ids=str)
+@pytest.mark.parametrize(("dot", "quant"), [(d, q) for d in _instructions() for q in sorted(SCHEMES)], ids=str)
 def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
-    """One row (decode), eleven (a tile of rows and the rest one by one), 16 (with AMX: one tile of x, its weights
-    unpacked a window at a time) and 37 (with AMX: two tiles of 16 rows and a short one), each row as the reference
-    computes it, and off the float kernel by the rounding of x only. Groups of 32 take 576 features: 18 groups, which
-    64-byte vectors of four 4-bit groups do not divide."""
+    """One row (decode), five and eleven (tiles of rows and the rest one by one), 16 (with AMX: one tile of x, its
+    weights unpacked a window at a time) and 37 (with AMX: two tiles of 16 rows and a short one), each row as the
+    reference computes it, and off the float kernel by the rounding of x only; without VNNI, calls of
+    MADDUBS_FLOAT_ROWS rows or more are the float kernel's, bit for bit. Groups of 32 take 576 features: 18 groups,
+    which 64-byte vectors of four 4-bit groups do not divide."""
     scheme, zeros = SCHEMES[quant]
     in_features = 576 if scheme.group in (0, 32) else 512
     rounded = scheme.group or in_features  # the features x is rounded in: per channel, the whole row
@@ -124,38 +119,35 @@ def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
     bias = torch.randn(out_features, generator=gen).numpy()
     zero = _zero_points(scheme, q.zeros, in_features // rounded)
     weights = _unpacked(tensors[0], scheme.bits)
-    for rows in (1, 11, 16, 37):
+    for rows in (1, 5, 11, 16, 37):
         x = (torch.randn(rows, in_features, generator=gen) * 3).numpy()
         if rounded < in_features or rows > 1:  # a group of zeros (per channel: a whole row): scale 0, no division
             x[-1, :rounded] = 0
         got = _run_kernel(dot, x, tensors, scheme.bits, zeros, bias)
+        exact = _run_kernel(None, x, tensors, scheme.bits, zeros, bias)  # the float kernel: x not rounded
+        if dot.kind == MADDUBS and rows >= MADDUBS_FLOAT_ROWS[scheme.bits]:
+            np.testing.assert_array_equal(got, exact)
+            continue
         expected = np.stack([_int8_reference(row, weights, zero, q.scales.numpy(), rounded) for row in x]) + bias
         assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
-        exact = _run_kernel(None, x, tensors, scheme.bits, zeros, bias)  # the float kernel: x not rounded
         assert 0 < np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
 
 
 @x86
-@pytest.mark.parametrize(
-    ("scheme", "kinds"),
-    [
-        (QuantScheme(8, 0), (MADDUBS,)),  # q8c: pmaddubsw's int16 pair sums (255 x 127 x 2) would saturate
-        (QuantScheme(8, 32), (MADDUBS,)),
-    ],
-)
-def test_what_the_int8_path_does_not_take_stays_in_float32(scheme, kinds):
-    """8-bit weights without VNNI: the float kernel's results, bit for bit."""
+def test_groups_of_less_than_a_vector_stay_in_float32():
+    """4-bit groups of 16 (8 bytes, less than the narrowest vector): the float kernel's results, bit for bit, whatever
+    the instruction."""
+    scheme = QuantScheme(4, 16)
     gen = torch.Generator().manual_seed(1)
     q = quantize(torch.randn(64, 256, generator=gen), scheme)
     tensors = [q.qweight.numpy(), q.scales.numpy()]
     bias = np.zeros(64, "float32")
     x = torch.randn(3, 256, generator=gen).numpy()
     for dot in _instructions():
-        if dot.kind in kinds:
-            np.testing.assert_array_equal(
-                _run_kernel(dot, x, tensors, scheme.bits, "none", bias),
-                _run_kernel(None, x, tensors, scheme.bits, "none", bias),
-            )
+        np.testing.assert_array_equal(
+            _run_kernel(dot, x, tensors, scheme.bits, "none", bias),
+            _run_kernel(None, x, tensors, scheme.bits, "none", bias),
+        )
 
 
 @x86

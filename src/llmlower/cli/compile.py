@@ -29,7 +29,7 @@ def add_compile_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         choices=range(5),
         help="onnx: MatMulNBits compute type on CPU: 4 = int8 activations (default, fastest), 0 = float32; tvm, cpu: "
-        "4 = grouped int4 (and, with VNNI, int8) matmuls with int8 activations (default, fastest), "
+        "4 = grouped int4 and int8 matmuls with int8 activations (default, fastest), "
         "0 = float32",
     )
     comp.add_argument("--cuda-arch", help="tvm, cuda: GPU architecture to build for (sm_80 default, sm_89, sm_90)")

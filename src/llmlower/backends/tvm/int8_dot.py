@@ -1,8 +1,8 @@
 """The x86 instruction that multiplies unsigned bytes by signed ones and adds each four adjacent products into one
 int32 lane, chosen from what the target CPU has: VNNI's vpdpbusd (AVX-512 VNNI, or AVX-VNNI), else pmaddubsw +
-pmaddwd (two instructions; the byte pairs' sums fit int16 for 4-bit weights, 2 x 15 x 127 < 2^15, not for 8-bit
-ones), on the widest vectors the CPU has (64 bytes with AVX-512, 32 with AVX2 or AVX-VNNI, else 16). Every choice
-gives the same integers, so a kernel's results do not depend on which the CPU has."""
+pmaddwd (two instructions; the byte pairs' sums fit int16 for 4-bit weights, 2 x 15 x 128 < 2^15, so 8-bit ones go
+in as two nibbles), on the widest vectors the CPU has (64 bytes with AVX-512, 32 with AVX2 or AVX-VNNI, else 16).
+Every choice gives the same integers, so a kernel's results do not depend on which the CPU has."""
 
 from __future__ import annotations
 
@@ -61,3 +61,17 @@ def dot_u8_s8(
     pairs_of_bytes, pairs_of_words = _MADDUBS[width]
     pairs = T.call_llvm_pure_intrin(f"int16x{width // 2}", pairs_of_bytes, unsigned, signed)
     return acc + T.call_llvm_pure_intrin(lanes, pairs_of_words, pairs, T.broadcast(T.int16(1), width // 2))
+
+
+def dot_bytes(
+    kind: str, acc: tirx.PrimExpr, unsigned: tirx.PrimExpr, signed: tirx.PrimExpr, width: int
+) -> tirx.PrimExpr:
+    """dot_u8_s8 for unsigned bytes of any value: pmaddubsw's int16 pair sums would saturate on them (2 x 255 x 128),
+    so without VNNI each byte goes in as its low nibble plus 16 x its high one, two products that fit."""
+    if kind == VNNI:
+        return dot_u8_s8(kind, acc, unsigned, signed, width)
+    low = dot_u8_s8(kind, acc, unsigned & T.broadcast(T.uint8(15), width), signed, width)
+    high = dot_u8_s8(
+        kind, T.broadcast(T.int32(0), width // 4), unsigned >> T.broadcast(T.uint8(4), width), signed, width
+    )
+    return low + high * T.broadcast(T.int32(16), width // 4)

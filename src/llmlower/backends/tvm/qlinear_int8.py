@@ -10,18 +10,19 @@ whole vectors too: a vector's weight scales (and float zero points; float32 or f
 spread over its lanes by one shuffle, shared by the tile's rows, and each x row's scales and sums once per call. One
 row (decode) is bound by memory, many (prompts, many streams) by the int8 instructions; converting every weight to
 float32, the float kernel was bound by those conversions at both. Where the CPU has AMX's int8 tiles, calls of
-MIN_ROWS rows or more take qlinear_amx's tiles instead (the same rounded integers)."""
+MIN_ROWS rows or more take qlinear_amx's tiles instead (the same rounded integers); where it has no VNNI, calls of
+MADDUBS_FLOAT_ROWS rows or more take the float kernel's path, whose conversions their rows share."""
 
 from __future__ import annotations
 
-import functools
 import operator
+from collections.abc import Callable
 from typing import NamedTuple
 
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .int8_dot import VNNI, Int8Dot, dot_u8_s8
+from .int8_dot import MADDUBS, Int8Dot, dot_bytes, dot_u8_s8
 from .int8_rounding import group_max_macro, inverse_scale
 from .lane_tree import buffer_tree
 from .paged_kernels import ATTRS
@@ -29,16 +30,20 @@ from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_grant
 from .qlinear_amx_bf16 import BF16_MIN_ROWS, DEPTH, bf16_macros, bf16_task_rows, x_tile_pairs
 
 TILE = 4  # activation rows a weight vector is multiplied with while it is in a register (8 accumulators)
+# Without VNNI a vector of bytes takes pmaddubsw + pmaddwd (8-bit weights: twice, a nibble at a time) where float32
+# takes one FMA per 8 or 16 weights of a row already dequantized: from this many rows of x, which share that
+# dequantization, the float kernel is as fast or faster (SmolLM2's shapes, 2 threads, an AVX2-only EPYC, medians of
+# 100: q4g32 gate/up 4 rows 0.44 ms in int8 against 0.56 in float32, 8 rows 0.81 against 0.78-0.79, 16 rows 1.52-1.55
+# against 1.21-1.34; per-channel int8 q/k/v one row 0.095 against 0.155, 16 rows 0.72 against 0.42)
+MADDUBS_FLOAT_ROWS = {4: 8, 8: 2}
 
 
 def rounds_activations(bits: int, group: int, int8_dot: Int8Dot | None) -> bool:
-    """Whether a matmul runs in int8 here: groups of whole 16-byte vectors of weights, on a CPU with an int8 dot
-    product; 8-bit weights only with VNNI (pmaddubsw's int16 pair sums would saturate). Per-channel weights (one
+    """Whether a matmul runs in int8 here: groups of whole 16-byte vectors of 4- or 8-bit weights, on a CPU with
+    an int8 dot product (8-bit weights without VNNI: as two nibbles, int8_dot.dot_bytes). Per-channel weights (one
     group a row) round each row of x once, as ONNX Runtime's integer GEMM does, and sum the row in int32: their
     rows are bounded so that 255 x 128 x the row's length stays an int32."""
-    if int8_dot is None or group * bits // 8 % 16 or group * 255 * 128 >= 2**31:
-        return False
-    return bits == 4 or int8_dot.kind == VNNI
+    return int8_dot is not None and group * bits // 8 % 16 == 0 and group * 255 * 128 < 2**31
 
 
 def vector_bytes(per_group: int, groups: int, widest: int) -> int:
@@ -89,7 +94,6 @@ class Operands(NamedTuple):
     x_pairs: tirx.Buffer | None = None  # AMX bfloat16: uint32 [tiles * in_features / 2 * 16], qlinear_amx_bf16's
 
 
-@functools.cache
 def int8_kernel(
     out_features: int,
     in_features: int,
@@ -98,10 +102,12 @@ def int8_kernel(
     zeros: str,
     bias: bool,
     int8_dot: Int8Dot,
-    scale_dtype: str = "float32",
+    scale_dtype: str,
+    float_rows: Callable,
 ) -> tirx.PrimFunc:
     """out [a, b, N] = x [a, b, K] @ dequantize(w).T (+ bias) with x rounded to int8 per group; the operands as
-    qlinear_kernel's."""
+    qlinear_kernel's, whose many-rows float path (`float_rows`) takes calls of MADDUBS_FLOAT_ROWS rows or more
+    where the instruction is pmaddubsw."""
     groups = in_features // group
     per_group = group * bits // 8  # bytes
     width = vector_bytes(per_group, groups, int8_dot.widest)
@@ -128,6 +134,7 @@ def int8_kernel(
     in_bf16 = int8_dot.amx_bf16 and bits == 4 and groups > 1 and in_features % DEPTH == 0 and bf16_task is not None
     if in_bf16:
         pairs_of_row, bf16_weight_rows = bf16_macros(group, in_features, out_features, *operand_reads)
+    in_float = int8_dot.kind == MADDUBS  # calls of MADDUBS_FLOAT_ROWS rows or more
 
     def rounded_x(k, i, at):  # the rounded x row i has at weight byte `at` (4-bit: both nibbles'), summed
         if bits == 4:
@@ -137,7 +144,7 @@ def int8_kernel(
     def weight_dot(acc, weights, k, i, at):  # acc + a vector of weight bytes against row i's x from byte `at`
         x_bytes = T.ramp(at, 1, width)
         if bits == 8:
-            return dot_u8_s8(int8_dot.kind, acc, weights, k.x_even[i, x_bytes], width)
+            return dot_bytes(int8_dot.kind, acc, weights, k.x_even[i, x_bytes], width)
         low = T.broadcast(T.uint8(15), width)
         even = dot_u8_s8(int8_dot.kind, acc, weights & low, k.x_even[i, x_bytes], width)
         return dot_u8_s8(int8_dot.kind, even, weights >> T.broadcast(T.uint8(4), width), k.x_odd[i, x_bytes], width)
@@ -274,6 +281,8 @@ def int8_kernel(
                         round_row_to_tiles(k, i, a * b, b)
                     for task in T.parallel(out_features // TILE_ROWS):
                         amx_weight_rows(k, task, a * b, b)
+            elif in_float and a * b >= MADDUBS_FLOAT_ROWS[bits]:
+                float_rows(x, qweight, scales, zero_buffer, bias_buffer, out, a * b, b)
             else:
                 with T.sblock("vector"):
                     T.reads()

@@ -54,6 +54,79 @@ def takes(
     )
 
 
+def _weight(byte: tirx.PrimExpr, bits: int) -> tirx.PrimExpr:
+    """A byte's 4-bit weight in its low nibble (int8: the byte), as float32."""
+    return T.Cast("float32", byte & T.uint8(15) if bits == 4 else byte)
+
+
+def _high_weight(byte: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The 4-bit weight in a byte's high nibble, as float32."""
+    return T.Cast("float32", byte >> T.uint8(4))
+
+
+def _lane_sum(acc: tirx.Buffer, bias_buffer: tirx.Buffer, bias: bool, r: int, n: tirx.PrimExpr, lanes: int):
+    """Row r's lanes summed, plus the bias of output feature n."""
+    total = bias_buffer[n] if bias else T.float32(0)
+    for lane in range(lanes):
+        total = total + acc[r, lane]
+    return total
+
+
+def float_rows_macro(
+    out_features: int, in_features: int, group: int, bits: int, zeros: str, bias: bool, lanes: int
+) -> Callable:
+    """A macro (x, qweight, scales, zero_buffer, bias_buffer, out, rows, b): the float kernel's path for more than
+    one row of x, each task's ROWS weight rows dequantized to float32 once, then every row's dot products on FMA.
+    The int8 kernel takes it too for calls of many rows where its instruction is pmaddubsw (qlinear_int8)."""
+    groups = in_features // group
+    steps = group * bits // 8 // lanes  # vector steps per group
+    half = group // 2
+    feature = nibble_order(group) if bits == 4 else (lambda k: k)  # the feature x_order[k] holds
+
+    @T.macro
+    def float_rows(x, qweight, scales, zero_buffer, bias_buffer, out, rows, b):
+        with T.sblock("float_rows"):
+            T.reads()
+            T.writes()
+            x_order = T.sblock_alloc_buffer((rows, in_features), "float32")
+            for i in T.parallel(rows):
+                for k in T.serial(in_features):
+                    x_order[i, k] = x[i // b, i % b, feature(k)]
+            for chunk in T.parallel(out_features // ROWS):
+                with T.sblock("rows"):
+                    T.reads()
+                    T.writes()
+                    weight = T.sblock_alloc_buffer((ROWS, in_features), "float32")
+                    acc = T.sblock_alloc_buffer((ROWS, lanes), "float32")
+                    for r in T.serial(ROWS):
+                        for g in T.serial(groups):
+                            for c in T.serial(steps):
+                                for lane in T.vectorized(lanes):
+                                    weight[r, g * group + c * lanes + lane] = (
+                                        _weight(qweight[chunk * ROWS + r, g, c * lanes + lane], bits)
+                                        - zero_point(zeros, bits, zero_buffer, chunk * ROWS + r, g)
+                                    ) * T.Cast("float32", scales[chunk * ROWS + r, g])
+                                    if bits == 4:
+                                        weight[r, g * group + half + c * lanes + lane] = (
+                                            _high_weight(qweight[chunk * ROWS + r, g, c * lanes + lane])
+                                            - zero_point(zeros, bits, zero_buffer, chunk * ROWS + r, g)
+                                        ) * T.Cast("float32", scales[chunk * ROWS + r, g])
+                    for i in T.serial(rows):
+                        for r in T.unroll(ROWS):
+                            for lane in T.vectorized(lanes):
+                                acc[r, lane] = T.float32(0)
+                        for k in T.serial(in_features // lanes):
+                            for r in T.unroll(ROWS):
+                                for lane in T.vectorized(lanes):
+                                    acc[r, lane] += x_order[i, k * lanes + lane] * weight[r, k * lanes + lane]
+                        for r in T.unroll(ROWS):
+                            out[i // b, i % b, chunk * ROWS + r] = _lane_sum(
+                                acc, bias_buffer, bias, r, chunk * ROWS + r, lanes
+                            )
+
+    return float_rows
+
+
 @functools.cache
 def qlinear_kernel(
     out_features: int,
@@ -72,26 +145,14 @@ def qlinear_kernel(
     a one-element placeholder the kernel never reads. With `int8_dot`, the matmuls that `rounds_activations` takes
     (per-channel ones too: x rounded a row at a time) are qlinear_int8's int8 kernel."""
     groups = in_features // group
+    float_rows = float_rows_macro(out_features, in_features, group, bits, zeros, bias, lanes)
     if rounds_activations(bits, group, int8_dot):
-        return int8_kernel(out_features, in_features, group, bits, zeros, bias, int8_dot, scale_dtype)
+        return int8_kernel(out_features, in_features, group, bits, zeros, bias, int8_dot, scale_dtype, float_rows)
     per_group = group * bits // 8  # bytes
     steps = per_group // lanes  # vector steps per group
     half = group // 2
     decode_rows = DECODE_ROWS[bits]
     zero_shape, zero_dtype = zero_layout(zeros, out_features, groups, scale_dtype)
-
-    def low(byte):  # a byte's 4-bit weight in its low nibble (int8: the byte), as float32
-        return T.Cast("float32", byte & T.uint8(15) if bits == 4 else byte)
-
-    def high(byte):  # the 4-bit weight in its high nibble
-        return T.Cast("float32", byte >> T.uint8(4))
-
-    def dot(acc, bias_buffer, r, n):  # row r's lanes summed, plus the bias
-        total = bias_buffer[n] if bias else T.float32(0)
-        for lane in range(lanes):
-            total = total + acc[r, lane]
-        return total
-
     feature = nibble_order(group) if bits == 4 else (lambda k: k)  # the feature x_order[k] holds
 
     @T.prim_func(s_tir=True, private=True)
@@ -107,80 +168,55 @@ def qlinear_kernel(
         with T.sblock("root"):
             T.reads()
             T.writes()
-            x_order = T.sblock_alloc_buffer((a * b, in_features), "float32")
-            for i in T.parallel(a * b):
-                for k in T.serial(in_features):
-                    x_order[i, k] = x[i // b, i % b, feature(k)]
-            for chunk in T.parallel(out_features // ROWS):
-                if a * b == 1:  # decode: each weight read once, scaled per group
-                    with T.sblock("row"):  # its buffers made once per chunk (each is a call into TVM)
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((decode_rows, lanes), "float32")
-                        part = T.sblock_alloc_buffer((decode_rows, lanes), "float32")
-                        x_sum = T.sblock_alloc_buffer((lanes,), "float32")
-                        for rows in T.serial(ROWS // decode_rows):
-                            first: T.let[T.int32] = chunk * ROWS + rows * decode_rows
-                            for r in T.unroll(decode_rows):
-                                for lane in T.vectorized(lanes):
-                                    acc[r, lane] = T.float32(0)
-                            for g in T.serial(groups):
-                                for lane in T.vectorized(lanes):
-                                    x_sum[lane] = T.float32(0)
+            if a * b == 1:  # decode: each weight read once, scaled per group
+                with T.sblock("decode"):
+                    T.reads()
+                    T.writes()
+                    x_order = T.sblock_alloc_buffer((in_features,), "float32")
+                    for k in T.serial(in_features):
+                        x_order[k] = x[0, 0, feature(k)]
+                    for chunk in T.parallel(out_features // ROWS):
+                        with T.sblock("row"):  # its buffers made once per chunk (each is a call into TVM)
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((decode_rows, lanes), "float32")
+                            part = T.sblock_alloc_buffer((decode_rows, lanes), "float32")
+                            x_sum = T.sblock_alloc_buffer((lanes,), "float32")
+                            for rows in T.serial(ROWS // decode_rows):
+                                first: T.let[T.int32] = chunk * ROWS + rows * decode_rows
                                 for r in T.unroll(decode_rows):
                                     for lane in T.vectorized(lanes):
-                                        part[r, lane] = T.float32(0)
-                                for c in T.unroll(steps):
+                                        acc[r, lane] = T.float32(0)
+                                for g in T.serial(groups):
                                     for lane in T.vectorized(lanes):
-                                        x_sum[lane] += x_order[0, g * group + c * lanes + lane]
-                                        if bits == 4:
-                                            x_sum[lane] += x_order[0, g * group + half + c * lanes + lane]
+                                        x_sum[lane] = T.float32(0)
                                     for r in T.unroll(decode_rows):
                                         for lane in T.vectorized(lanes):
-                                            part[r, lane] += x_order[0, g * group + c * lanes + lane] * low(
-                                                qweight[first + r, g, c * lanes + lane]
-                                            )
+                                            part[r, lane] = T.float32(0)
+                                    for c in T.unroll(steps):
+                                        for lane in T.vectorized(lanes):
+                                            x_sum[lane] += x_order[g * group + c * lanes + lane]
                                             if bits == 4:
-                                                part[r, lane] += x_order[0, g * group + half + c * lanes + lane] * high(
-                                                    qweight[first + r, g, c * lanes + lane]
+                                                x_sum[lane] += x_order[g * group + half + c * lanes + lane]
+                                        for r in T.unroll(decode_rows):
+                                            for lane in T.vectorized(lanes):
+                                                part[r, lane] += x_order[g * group + c * lanes + lane] * _weight(
+                                                    qweight[first + r, g, c * lanes + lane], bits
                                                 )
+                                                if bits == 4:
+                                                    part[r, lane] += x_order[
+                                                        g * group + half + c * lanes + lane
+                                                    ] * _high_weight(qweight[first + r, g, c * lanes + lane])
+                                    for r in T.unroll(decode_rows):
+                                        for lane in T.vectorized(lanes):
+                                            acc[r, lane] += T.Cast("float32", scales[first + r, g]) * (
+                                                part[r, lane]
+                                                - zero_point(zeros, bits, zero_buffer, first + r, g) * x_sum[lane]
+                                            )
                                 for r in T.unroll(decode_rows):
-                                    for lane in T.vectorized(lanes):
-                                        acc[r, lane] += T.Cast("float32", scales[first + r, g]) * (
-                                            part[r, lane]
-                                            - zero_point(zeros, bits, zero_buffer, first + r, g) * x_sum[lane]
-                                        )
-                            for r in T.unroll(decode_rows):
-                                out[0, 0, first + r] = dot(acc, bias_buffer, r, first + r)
-                else:  # several rows: the chunk's weights dequantized once, then every row's dot products
-                    with T.sblock("rows"):
-                        T.reads()
-                        T.writes()
-                        weight = T.sblock_alloc_buffer((ROWS, in_features), "float32")
-                        acc = T.sblock_alloc_buffer((ROWS, lanes), "float32")
-                        for r in T.serial(ROWS):
-                            for g in T.serial(groups):
-                                for c in T.serial(steps):
-                                    for lane in T.vectorized(lanes):
-                                        weight[r, g * group + c * lanes + lane] = (
-                                            low(qweight[chunk * ROWS + r, g, c * lanes + lane])
-                                            - zero_point(zeros, bits, zero_buffer, chunk * ROWS + r, g)
-                                        ) * T.Cast("float32", scales[chunk * ROWS + r, g])
-                                        if bits == 4:
-                                            weight[r, g * group + half + c * lanes + lane] = (
-                                                high(qweight[chunk * ROWS + r, g, c * lanes + lane])
-                                                - zero_point(zeros, bits, zero_buffer, chunk * ROWS + r, g)
-                                            ) * T.Cast("float32", scales[chunk * ROWS + r, g])
-                        for i in T.serial(a * b):
-                            for r in T.unroll(ROWS):
-                                for lane in T.vectorized(lanes):
-                                    acc[r, lane] = T.float32(0)
-                            for k in T.serial(in_features // lanes):
-                                for r in T.unroll(ROWS):
-                                    for lane in T.vectorized(lanes):
-                                        acc[r, lane] += x_order[i, k * lanes + lane] * weight[r, k * lanes + lane]
-                            for r in T.unroll(ROWS):
-                                out[i // b, i % b, chunk * ROWS + r] = dot(acc, bias_buffer, r, chunk * ROWS + r)
+                                    out[0, 0, first + r] = _lane_sum(acc, bias_buffer, bias, r, first + r, lanes)
+            else:  # several rows: each task's weights dequantized once, then every row's dot products
+                float_rows(x, qweight, scales, zero_buffer, bias_buffer, out, a * b, b)
 
     return qlinear
 
