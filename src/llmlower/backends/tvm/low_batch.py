@@ -19,12 +19,21 @@ LOW_BATCH_BUCKETS = ((2, 2), (8, 4), (64, 8))  # (at most this many rows, rows e
 
 class SimtMatmul(dlight.gpu.Matmul):
     """DLight's GPU matmul on CUDA cores: TVM 0.27's tensor-core path segfaults in Tensorize on SmolLM2's float16
-    matmuls (sm_80, sm_90), so every function is marked not to be tensorized."""
+    matmuls (sm_80, sm_90). DLight tries that path on sm_70 and newer, importing its tensor-core intrinsics (a
+    minute or more of TVMScript parsing) before it reads `dlight.do_not_tensorize`; so the rule schedules for
+    the target as if it were sm_60, whose CUDA-core schedule is the same for every arch."""
 
     def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, tunable: bool) -> s_tir.Schedule | None:
         if isinstance(func, tirx.PrimFunc):
             func = func.with_attr("dlight.do_not_tensorize", True)
-        return super().apply(func, target, tunable)
+        return super().apply(func, _without_tensor_cores(target), tunable)
+
+
+def _without_tensor_cores(target: tvm.target.Target) -> tvm.target.Target:
+    """`target` with its CUDA arch below sm_70, where DLight's matmul never considers tensor cores."""
+    if target.kind.name != "cuda":
+        return target
+    return tvm.target.Target({**target.export(), "arch": "sm_60"})
 
 
 def _scheduled(rule: dlight.ScheduleRule, func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
