@@ -50,7 +50,7 @@ def store_transposed(load, target: tirx.Buffer) -> None:
         d, (low, high) = 2**stage, butterfly_lanes(stage)
         turned = list(rows)
         for i in (i for i in range(TILE_ROWS) if not i & d):
-            turned[i], turned[i + d] = (T.Shuffle([rows[i], rows[i + d]], lanes) for lanes in (low, high))
+            turned[i], turned[i + d] = (T.Shuffle([rows[i], rows[i + d]], picked) for picked in (low, high))
         rows = turned
     for r in range(TILE_ROWS):
         T.buffer_store(target, rows[r], [r, lanes])

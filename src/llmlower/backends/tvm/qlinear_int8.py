@@ -103,11 +103,11 @@ def int8_kernel(
     bias: bool,
     int8_dot: Int8Dot,
     scale_dtype: str,
-    float_rows: Callable,
+    many_rows: Callable[[], Callable],
 ) -> tirx.PrimFunc:
     """out [a, b, N] = x [a, b, K] @ dequantize(w).T (+ bias) with x rounded to int8 per group; the operands as
-    qlinear_kernel's, whose many-rows float path (`float_rows`) takes calls of MADDUBS_FLOAT_ROWS rows or more
-    where the instruction is pmaddubsw."""
+    qlinear_kernel's, whose many-rows float path (built by `many_rows`) takes calls of MADDUBS_FLOAT_ROWS rows or
+    more where the instruction is pmaddubsw."""
     groups = in_features // group
     per_group = group * bits // 8  # bytes
     width = vector_bytes(per_group, groups, int8_dot.widest)
@@ -135,6 +135,7 @@ def int8_kernel(
     if in_bf16:
         pairs_of_row, bf16_weight_rows = bf16_macros(group, in_features, out_features, *operand_reads)
     in_float = int8_dot.kind == MADDUBS  # calls of MADDUBS_FLOAT_ROWS rows or more
+    float_rows = many_rows() if in_float else None
 
     def rounded_x(k, i, at):  # the rounded x row i has at weight byte `at` (4-bit: both nibbles'), summed
         if bits == 4:

@@ -15,6 +15,7 @@ With an int8 dot product (accuracy_level 4) grouped matmuls take qlinear_int8's 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 
 import numpy as np
@@ -22,6 +23,7 @@ from tvm import relax, tirx
 from tvm.script import tirx as T
 
 from .int8_dot import Int8Dot
+from .lane_tree import buffer_tree
 from .paged_kernels import ATTRS
 from .qlinear_int8 import int8_kernel, rounds_activations, zero_layout, zero_point
 
@@ -65,11 +67,8 @@ def _high_weight(byte: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _lane_sum(acc: tirx.Buffer, bias_buffer: tirx.Buffer, bias: bool, r: int, n: tirx.PrimExpr, lanes: int):
-    """Row r's lanes summed, plus the bias of output feature n."""
-    total = bias_buffer[n] if bias else T.float32(0)
-    for lane in range(lanes):
-        total = total + acc[r, lane]
-    return total
+    """Row r's lanes summed in a tree, plus the bias of output feature n."""
+    return buffer_tree(operator.add, acc, (r,), lanes) + (bias_buffer[n] if bias else T.float32(0))
 
 
 def float_rows_macro(
@@ -145,9 +144,10 @@ def qlinear_kernel(
     a one-element placeholder the kernel never reads. With `int8_dot`, the matmuls that `rounds_activations` takes
     (per-channel ones too: x rounded a row at a time) are qlinear_int8's int8 kernel."""
     groups = in_features // group
-    float_rows = float_rows_macro(out_features, in_features, group, bits, zeros, bias, lanes)
+    many_rows = functools.partial(float_rows_macro, out_features, in_features, group, bits, zeros, bias, lanes)
     if rounds_activations(bits, group, int8_dot):
-        return int8_kernel(out_features, in_features, group, bits, zeros, bias, int8_dot, scale_dtype, float_rows)
+        return int8_kernel(out_features, in_features, group, bits, zeros, bias, int8_dot, scale_dtype, many_rows)
+    float_rows = many_rows()
     per_group = group * bits // 8  # bytes
     steps = per_group // lanes  # vector steps per group
     half = group // 2
