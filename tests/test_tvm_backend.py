@@ -30,6 +30,7 @@ from llmlower.ir import PAGED_LATENT_ATTENTION
 from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout
 from llmlower.runtime import StepBatch
 from llmlower.runtime.executor import copy_rounds
+from llmlower.runtime.executors.tvm import aligned
 from llmlower.step_io import KVLayout
 from llmlower.testing import calibrated
 
@@ -170,6 +171,22 @@ def test_every_position_logits(captures):
     assert np.abs(ours.prompt_logits(tokens) - expected).max() <= TOLERANCE
     batch = StepBatch([[7, 8, 9], [3]], [0, 0], [[9, 2], [5]])
     assert np.abs(ours.step(batch) - reference.step(batch)).max() <= TOLERANCE
+
+
+def test_step_inputs_reach_tvm_as_views_where_aligned_and_as_aligned_copies_elsewhere():
+    """TVM takes a CPU array without copying only at a 64-byte address: an aligned array is passed as itself, a
+    misaligned or strided one as an aligned copy of the same values."""
+    space = np.zeros(64, np.int32)
+    start = -space.ctypes.data % 64 // 4
+    at_line = space[start : start + 8]
+    assert aligned(at_line) is at_line
+    off_line = space[start + 1 : start + 9]
+    strided = space[start : start + 16 : 2]
+    for array in (off_line, strided):
+        copy = aligned(array)
+        assert copy.ctypes.data % 64 == 0 and copy.flags.c_contiguous
+        np.testing.assert_array_equal(copy, array)
+        assert tvm.runtime.from_dlpack(copy).numpy().tolist() == array.tolist()
 
 
 def test_block_copies_run_in_order():
