@@ -116,6 +116,8 @@ def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
     out_features = 64
     q = quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, scheme)
     tensors = [t.numpy() for t in (q.qweight, q.scales, q.zeros) if t is not None]
+    tensors[0].reshape(-1)[::7] = 0  # the extreme weights (bytes 0 and 255: 4-bit, both nibbles 0 or 15) meet
+    tensors[0].reshape(-1)[3::7] = 255  # x's extremes (each group's largest rounds to +-127)
     bias = torch.randn(out_features, generator=gen).numpy()
     zero = _zero_points(scheme, q.zeros, in_features // rounded)
     weights = _unpacked(tensors[0], scheme.bits)
@@ -195,6 +197,8 @@ def test_prompt_sized_calls_multiply_in_bfloat16(quant, out_features):
     gen = torch.Generator().manual_seed(5)
     q = quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, scheme)
     tensors = [t.numpy() for t in (q.qweight, q.scales, q.zeros) if t is not None]
+    tensors[0].reshape(-1)[::7] = 0  # the extreme weights (bytes 0 and 255: 4-bit, both nibbles 0 or 15) meet
+    tensors[0].reshape(-1)[3::7] = 255  # x's extremes (each group's largest rounds to +-127)
     bias = torch.randn(out_features, generator=gen).numpy()
     groups = in_features // scheme.group
     scales = np.repeat(q.scales.numpy().astype(np.float64), scheme.group, axis=1)

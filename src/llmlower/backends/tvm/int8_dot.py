@@ -1,8 +1,8 @@
 """The x86 instruction that multiplies unsigned bytes by signed ones and adds each four adjacent products into one
 int32 lane, chosen from what the target CPU has: VNNI's vpdpbusd (AVX-512 VNNI, or AVX-VNNI), else pmaddubsw +
-pmaddwd (two instructions; the byte pairs' sums fit int16 for 4-bit weights, 2 x 15 x 128 < 2^15, so 8-bit ones go
-in as two nibbles), on the widest vectors the CPU has (64 bytes with AVX-512, 32 with AVX2 or AVX-VNNI, else 16).
-Every choice gives the same integers, so a kernel's results do not depend on which the CPU has."""
+pmaddwd (two instructions; the byte pairs' sums fit int16 for 4-bit weights, 2 x 15 x 128 < 2^15; 8-bit ones go in
+as signed bytes, see dot_bytes), on the widest vectors the CPU has (64 bytes with AVX-512, 32 with AVX2 or
+AVX-VNNI, else 16). Every choice gives the same integers, so a kernel's results do not depend on which the CPU has."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ _MADDUBS = {  # bytes -> (u8 x s8 pair sums into int16, int16 pair sums into int
     32: ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"),
     64: ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512"),
 }
+_SIGN = {16: "llvm.x86.ssse3.psign.b.128", 32: "llvm.x86.avx2.psign.b"}  # a byte negated where another is < 0
 
 
 @dataclass(frozen=True)
@@ -58,18 +59,53 @@ def dot_u8_s8(
         if tvm.target.codegen.llvm_version_major() < 22:  # LLVM 22 types the byte operands as bytes
             unsigned, signed = T.reinterpret(lanes, unsigned), T.reinterpret(lanes, signed)
         return T.call_llvm_pure_intrin(lanes, _VNNI[width], acc, unsigned, signed)
-    pairs_of_bytes, pairs_of_words = _MADDUBS[width]
-    pairs = T.call_llvm_pure_intrin(f"int16x{width // 2}", pairs_of_bytes, unsigned, signed)
-    return acc + T.call_llvm_pure_intrin(lanes, pairs_of_words, pairs, T.broadcast(T.int16(1), width // 2))
+    return _widened(acc, _byte_pairs(unsigned, signed, width), width)
+
+
+def _byte_pairs(unsigned: tirx.PrimExpr, signed: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
+    """pmaddubsw: int16 x width/2, the sums of each two adjacent products (saturated)."""
+    return T.call_llvm_pure_intrin(f"int16x{width // 2}", _MADDUBS[width][0], unsigned, signed)
+
+
+def _widened(acc: tirx.PrimExpr, pairs: tirx.PrimExpr, width: int) -> tirx.PrimExpr:
+    """acc + pmaddwd(pairs, 1): each two adjacent int16 sums added into an int32 lane."""
+    ones = T.broadcast(T.int16(1), width // 2)
+    return acc + T.call_llvm_pure_intrin(f"int32x{width // 4}", _MADDUBS[width][1], pairs, ones)
+
+
+def dot_nibbles(
+    kind: str, acc: tirx.PrimExpr, weights: tirx.PrimExpr, low_x: tirx.PrimExpr, high_x: tirx.PrimExpr, width: int
+) -> tirx.PrimExpr:
+    """acc + the four-product sums of each weight byte's low nibble against `low_x` and its high nibble against
+    `high_x` (int8 x width, in [-127, 127]); without VNNI the two pmaddubsw sums are added as int16 (2 x 2 x 15 x 127
+    < 2^15), so one pmaddwd widens both."""
+    low = weights & T.broadcast(T.uint8(15), width)
+    high = weights >> T.broadcast(T.uint8(4), width)
+    if kind == VNNI:
+        return dot_u8_s8(kind, dot_u8_s8(kind, acc, low, low_x, width), high, high_x, width)
+    return _widened(acc, _byte_pairs(low, low_x, width) + _byte_pairs(high, high_x, width), width)
+
+
+def byte_offset(kind: str, width: int) -> int:
+    """What dot_bytes subtracts from each unsigned byte before multiplying: 128 where it multiplies signed bytes."""
+    return 128 if kind == MADDUBS and width in _SIGN else 0
 
 
 def dot_bytes(
     kind: str, acc: tirx.PrimExpr, unsigned: tirx.PrimExpr, signed: tirx.PrimExpr, width: int
 ) -> tirx.PrimExpr:
-    """dot_u8_s8 for unsigned bytes of any value: pmaddubsw's int16 pair sums would saturate on them (2 x 255 x 128),
-    so without VNNI each byte goes in as its low nibble plus 16 x its high one, two products that fit."""
+    """acc + the sums of each four adjacent products of (`unsigned` - byte_offset) and `signed` (in [-127, 127]), for
+    unsigned bytes of any value: pmaddubsw's int16 pair sums would saturate on them (2 x 255 x 127). Without VNNI,
+    the byte less 128 goes in as |w| (unsigned) times x with w's sign (psignb; 2 x 128 x 127 < 2^15); on 64-byte
+    vectors, which have no psignb, as its low nibble plus 16 x its high one."""
     if kind == VNNI:
         return dot_u8_s8(kind, acc, unsigned, signed, width)
+    if width in _SIGN:
+        bytes_type = f"int8x{width}"
+        centred = T.reinterpret(bytes_type, unsigned ^ T.broadcast(T.uint8(128), width))  # w - 128
+        magnitude = T.call_llvm_pure_intrin(bytes_type, _SIGN[width], centred, centred)  # -128 stays 0x80: 128
+        signs = T.call_llvm_pure_intrin(bytes_type, _SIGN[width], signed, centred)
+        return dot_u8_s8(kind, acc, T.reinterpret(f"uint8x{width}", magnitude), signs, width)
     low = dot_u8_s8(kind, acc, unsigned & T.broadcast(T.uint8(15), width), signed, width)
     high = dot_u8_s8(
         kind, T.broadcast(T.int32(0), width // 4), unsigned >> T.broadcast(T.uint8(4), width), signed, width

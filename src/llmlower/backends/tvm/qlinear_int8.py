@@ -22,7 +22,7 @@ from typing import NamedTuple
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .int8_dot import MADDUBS, Int8Dot, dot_bytes, dot_u8_s8
+from .int8_dot import MADDUBS, Int8Dot, byte_offset, dot_bytes, dot_nibbles
 from .int8_rounding import group_max_macro, inverse_scale
 from .lane_tree import buffer_tree
 from .paged_kernels import ATTRS
@@ -40,7 +40,7 @@ MADDUBS_FLOAT_ROWS = {4: 8, 8: 2}
 
 def rounds_activations(bits: int, group: int, int8_dot: Int8Dot | None) -> bool:
     """Whether a matmul runs in int8 here: groups of whole 16-byte vectors of 4- or 8-bit weights, on a CPU with
-    an int8 dot product (8-bit weights without VNNI: as two nibbles, int8_dot.dot_bytes). Per-channel weights (one
+    an int8 dot product (8-bit weights without VNNI: as signed bytes, int8_dot.dot_bytes). Per-channel weights (one
     group a row) round each row of x once, as ONNX Runtime's integer GEMM does, and sum the row in int32: their
     rows are bounded so that 255 x 128 x the row's length stays an int32."""
     return int8_dot is not None and group * bits // 8 % 16 == 0 and group * 255 * 128 < 2**31
@@ -117,6 +117,7 @@ def int8_kernel(
     vectors = per_group // span  # vectors a group takes
     lanes = width // 4
     lane_type = f"float32x{lanes}"
+    offset = byte_offset(int8_dot.kind, width) if bits == 8 else 0  # what the dots take from each weight byte
     task_rows = next(r for r in (64, 32, 16, 8, 4, 2, 1) if out_features % r == 0)  # weight rows a thread takes
     half = group // 2
     group_max = group_max_macro(group)
@@ -146,9 +147,7 @@ def int8_kernel(
         x_bytes = T.ramp(at, 1, width)
         if bits == 8:
             return dot_bytes(int8_dot.kind, acc, weights, k.x_even[i, x_bytes], width)
-        low = T.broadcast(T.uint8(15), width)
-        even = dot_u8_s8(int8_dot.kind, acc, weights & low, k.x_even[i, x_bytes], width)
-        return dot_u8_s8(int8_dot.kind, even, weights >> T.broadcast(T.uint8(4), width), k.x_odd[i, x_bytes], width)
+        return dot_nibbles(int8_dot.kind, acc, weights, k.x_even[i, x_bytes], k.x_odd[i, x_bytes], width)
 
     def spread(values):  # a vector's groups' values (scalars, one per group) over the lanes each group takes
         if per_vector == 1:
@@ -162,12 +161,14 @@ def int8_kernel(
         # TVM's Shuffle yields at most its operands' lanes: the loaded vector repeated, its first copy's lanes taken
         return T.Shuffle([loaded] * group_lanes, [q for q in range(per_vector) for _ in range(group_lanes)])
 
-    def zero_lanes(k, n, s):  # the zero points of the groups in vector s of row n, over their lanes
-        if zeros == "none":
-            return T.broadcast(zero_point(zeros, bits, k.zeros, n, 0), lanes)
-        if zeros == "float":
-            return loaded_lanes(k.zeros, n, s)
-        return spread([zero_point(zeros, bits, k.zeros, n, s * per_vector + q) for q in range(per_vector)])
+    def zero_lanes(k, n, s):  # the zero points of the groups in vector s of row n, over their lanes, less the offset
+        if zeros == "none":  # the dots take from each weight byte
+            points = T.broadcast(zero_point(zeros, bits, k.zeros, n, 0), lanes)
+        elif zeros == "float":
+            points = loaded_lanes(k.zeros, n, s)
+        else:
+            points = spread([zero_point(zeros, bits, k.zeros, n, s * per_vector + q) for q in range(per_vector)])
+        return points - T.broadcast(T.float32(offset), lanes) if offset else points
 
     def lane_total(k, acc, r, n):  # row r's lanes summed, plus the bias
         return buffer_tree(operator.add, acc, (r,), lanes) + (k.bias[n] if bias else T.float32(0))
