@@ -30,12 +30,13 @@ from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_grant
 from .qlinear_amx_bf16 import BF16_MIN_ROWS, DEPTH, bf16_macros, bf16_task_rows, x_tile_pairs
 
 TILE = 4  # activation rows a weight vector is multiplied with while it is in a register (8 accumulators)
-# Without VNNI a vector of bytes takes pmaddubsw + pmaddwd (8-bit weights: twice, a nibble at a time) where float32
-# takes one FMA per 8 or 16 weights of a row already dequantized: from this many rows of x, which share that
-# dequantization, the float kernel is as fast or faster (SmolLM2's shapes, 2 threads, an AVX2-only EPYC, medians of
-# 100: q4g32 gate/up 4 rows 0.44 ms in int8 against 0.56 in float32, 8 rows 0.81 against 0.78-0.79, 16 rows 1.52-1.55
-# against 1.21-1.34; per-channel int8 q/k/v one row 0.095 against 0.155, 16 rows 0.72 against 0.42)
-MADDUBS_FLOAT_ROWS = {4: 8, 8: 2}
+# Without VNNI a vector of bytes takes pmaddubsw + pmaddwd (8-bit weights: two psignb besides) where float32 takes one
+# FMA per 8 or 16 weights of a row already dequantized: from this many rows of x, which share that dequantization,
+# the float kernel is as fast or faster (SmolLM2's shapes, 2 threads, an AVX2-only EPYC, medians of 40: q4g32 gate/up
+# 4 rows 0.43 ms in int8 against 0.60 in float32, 8 rows 0.79 against 0.84, 16 rows 1.52 against 1.31; per-channel
+# int8 down 8 rows 0.34 against 0.40, 16 rows 0.63-0.66 against 0.64-0.70, 32 rows 1.22 against 1.24, 64 rows 2.45
+# against 2.27)
+MADDUBS_FLOAT_ROWS = {4: 8, 8: 32}
 
 
 def rounds_activations(bits: int, group: int, int8_dot: Int8Dot | None) -> bool:
