@@ -241,40 +241,42 @@ def test_extras_match_the_paged_attention_reference(
         (6, 2, 1.5, True, True, 7),
         (6, 2, 0.0, False, True, 0),
         (4, 4, 0.0, True, False, 9),
+        (4, 2, 0.0, True, False, 0),
     ],
 )
-def test_long_prompt_chunks_match_the_paged_attention_reference(
+def test_long_prompt_chunks_and_lone_decode_rows_match_the_paged_attention_reference(
     heads: int, kv_heads: int, softcap: float, sinks: bool, alibi: bool, window: int
 ) -> None:
     """Prompt chunks longer than the CPU kernel's tiles of rows (16 rows of 3 query heads, 64 rows of 1): whole
-    tiles, a short last one and a last row alone, beside a decode row, against the op's torch reference."""
-    past, new = [3, 0, 20], [37, 33, 1]
+    tiles, a short last one and a last row alone, beside a decode row; and steps of one and three decode rows over
+    long contexts, whose keys the kernel splits into ranges and merges: against the op's torch reference."""
     rng = np.random.default_rng(11)
     sink_logits = rng.standard_normal(heads).astype("float32") if sinks else None
     slopes = np.geomspace(0.5, 0.5**heads, heads).astype("float32") if alibi else None
     target = tvm_target("cpu")
     module = _module(target, heads, kv_heads, window, softcap, sink_logits, HEAD_DIM, slopes)
     vm = relax.VirtualMachine(compile_module(module, target), tvm.cpu())
-    lengths = np.add(past, new)
-    per_sequence = -(-lengths.max() // BLOCK_SIZE)
-    tables = rng.permutation(len(past) * per_sequence).astype("int32").reshape(len(past), per_sequence)
-    k_pool, v_pool = (
-        rng.standard_normal((tables.size, BLOCK_SIZE, kv_heads, HEAD_DIM)).astype("float32") for _ in range(2)
-    )
-    pools = [tvm.runtime.tensor(pool) for pool in (k_pool, v_pool)]
-    step = _step(rng, tables, past, new, heads, kv_heads)
-    step.q *= 3
-    packed = [torch.from_numpy(x).transpose(0, 1)[None] for x in (step.q, step.k, step.v)]
-    expected, _, _ = PAGED_ATTENTION.op(
-        *packed, torch.from_numpy(k_pool), torch.from_numpy(v_pool), torch.from_numpy(tables).long(),
-        torch.tensor(past), torch.tensor(new), HEAD_DIM**-0.5, window, softcap,
-        None if sink_logits is None else torch.from_numpy(sink_logits),
-        None if slopes is None else torch.from_numpy(slopes),
-    )  # fmt: skip
-    args = [step.q, step.k, step.v, *pools, step.tables, step.past, step.starts]
-    out = vm["attend"](*(a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(a) for a in args))
-    expected = expected[0].transpose(0, 1).numpy()
-    assert np.abs(out.numpy().reshape(expected.shape) - expected).max() <= 1e-5
+    for past, new in (([3, 0, 20], [37, 33, 1]), ([100], [1]), ([70, 2, 121], [1, 1, 1])):
+        lengths = np.add(past, new)
+        per_sequence = -(-lengths.max() // BLOCK_SIZE)
+        tables = rng.permutation(len(past) * per_sequence).astype("int32").reshape(len(past), per_sequence)
+        k_pool, v_pool = (
+            rng.standard_normal((tables.size, BLOCK_SIZE, kv_heads, HEAD_DIM)).astype("float32") for _ in range(2)
+        )
+        pools = [tvm.runtime.tensor(pool) for pool in (k_pool, v_pool)]
+        step = _step(rng, tables, past, new, heads, kv_heads)
+        step.q *= 3
+        packed = [torch.from_numpy(x).transpose(0, 1)[None] for x in (step.q, step.k, step.v)]
+        expected, _, _ = PAGED_ATTENTION.op(
+            *packed, torch.from_numpy(k_pool), torch.from_numpy(v_pool), torch.from_numpy(tables).long(),
+            torch.tensor(past), torch.tensor(new), HEAD_DIM**-0.5, window, softcap,
+            None if sink_logits is None else torch.from_numpy(sink_logits),
+            None if slopes is None else torch.from_numpy(slopes),
+        )  # fmt: skip
+        args = [step.q, step.k, step.v, *pools, step.tables, step.past, step.starts]
+        out = vm["attend"](*(a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(a) for a in args))
+        expected = expected[0].transpose(0, 1).numpy()
+        assert np.abs(out.numpy().reshape(expected.shape) - expected).max() <= 1e-5, (past, new)
 
 
 def _latent_module(target: tvm.target.Target, rank: int, rope: int, window: int) -> tvm.IRModule:

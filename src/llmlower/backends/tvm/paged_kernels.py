@@ -38,6 +38,8 @@ from .prefetch import LINE_BYTES, prefetch
 NEG = -1e30  # a finite minus infinity: exp(NEG - m) is 0 and NEG - NEG is no NaN
 CUDA_THREADS = 64  # threads per CUDA thread block (and positions per attention tile)
 TILE_QUERIES = 64  # CPU: query vectors (rows x query heads of a kv head) a prompt chunk's tile attends at once
+SPLIT_TASKS = 16  # CPU: a call with fewer (row, kv head) tasks splits each decode row's keys into ranges up to this
+SPLIT_BLOCKS = 8  # blocks of keys a range of the call's longest row takes at least (fewer: fixed costs outweigh it)
 # scheduled already (DLight skips them) and opaque to FuseOps (op_pattern kOpaque), which would otherwise take
 # the block copy for an elementwise op
 ATTRS = {"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": 8}
@@ -239,7 +241,9 @@ def attention_kernel(
     sliding window, else 0). CPU: one task per (row, kv head), each pass over a key serving its query heads;
     a prompt chunk's rows are taken prefill_tile_rows at a time instead (one task per tile and kv head), so that
     each key is read once for the tile's rows x query heads, whose scores run in vector lanes (q transposed); a
-    row alone in its tile (a decode row) keeps the one-row path.
+    row alone in its tile (a decode row) keeps the one-row path. With fewer than SPLIT_TASKS tasks (a few decode
+    rows: SmolLM2's 3 kv heads would leave one of 2 threads idle a third of the time), each decode row's blocks
+    are split into ranges attended as tasks of their own, whose partial softmaxes are then merged.
     CUDA: one thread block per (row, head), CUDA_THREADS positions per tile. The extras of ir/attention.py:
     softcap > 0 caps each logit at softcap * tanh(logit / softcap); with `sinks`, head h's sink logit sinks[h]
     (the kernel's sinks argument, [heads] float32, read only then) starts the online softmax as a key with no
@@ -380,7 +384,18 @@ def attention_kernel(
                             if i * CUDA_THREADS + tx < value_dim:
                                 out[row, h, i * CUDA_THREADS + tx] = T.Cast(dtype, acc[i] / total[0])
         else:
-            for task in T.parallel(n * kv_heads):
+            longest = T.alloc_buffer((1,), "int32")  # the most keys a row of the call attends
+            longest[0] = 0
+            for s in T.serial(num_seqs):
+                longest[0] = T.max(longest[0], past_lens[s] + query_start[s + 1] - query_start[s])
+            if window > 0:
+                longest[0] = T.min(longest[0], window + block_size)
+            splits: T.int32 = T.max(  # key ranges of a decode row, each at least SPLIT_BLOCKS of the longest's
+                T.min(SPLIT_TASKS // T.max(n * kv_heads, 1), longest[0] // (SPLIT_BLOCKS * block_size)), 1
+            )
+            # each range's output, softmax max and sum (a task's with splits > 1: n x kv_heads x splits <= SPLIT_TASKS)
+            partial = T.alloc_buffer((SPLIT_TASKS, group, value_dim + 2), "float32")
+            for task in T.parallel(n * kv_heads * splits):
                 with T.sblock("attention"):
                     T.reads()
                     T.writes()
@@ -393,20 +408,29 @@ def attention_kernel(
                     alpha = T.sblock_alloc_buffer((group,), "float32")
                     part = T.sblock_alloc_buffer((group, lanes), "float32")
                     total = T.sblock_alloc_buffer((group, block_size), "float32")  # the softmax's sums, by key slot
-                    row: T.let[T.int32] = task // kv_heads
-                    kvh: T.let[T.int32] = task % kv_heads
+                    row: T.let[T.int32] = task // (kv_heads * splits)
+                    kvh: T.let[T.int32] = task // splits % kv_heads
+                    split: T.let[T.int32] = task % splits  # the range of a decode row's keys this task takes
                     _sequence_of(seq, query_start, num_seqs, row)
                     offset: T.let[T.int32] = row - query_start[seq[0]]
                     lead: T.let[T.int32] = offset - offset % tile_rows  # the first row of this row's tile
                     rows: T.let[T.int32] = T.min(tile_rows, query_start[seq[0] + 1] - query_start[seq[0]] - lead)
-                    if rows == 1:  # a decode row (or a chunk's last, alone in its tile)
-                        pos: T.let[T.int32] = past_lens[seq[0]] + offset
-                        lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
+                    pos: T.let[T.int32] = past_lens[seq[0]] + offset
+                    lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
+                    per_split: T.let[T.int32] = T.ceildiv(pos // block_size + 1 - lo // block_size, splits)
+                    b_lo: T.let[T.int32] = lo // block_size + split * per_split  # this task's blocks
+                    b_hi: T.let[T.int32] = T.min(b_lo + per_split, pos // block_size + 1)
+                    if rows == 1 and b_lo >= b_hi:  # a range past the row's last block: nothing to merge
                         for g in T.serial(group):
-                            m[g] = sink[kvh * group + g] if sinks else T.float32(NEG)
+                            partial[task, g, value_dim + 1] = T.float32(0.0)
+                    elif rows == 1:  # a decode row (or a chunk's last, alone in its tile)
+                        for g in T.serial(group):
+                            m[g] = T.float32(NEG)
+                            if sinks and split == 0:
+                                m[g] = sink[kvh * group + g]
                             for t in T.vectorized(block_size):
                                 total[g, t] = T.float32(0.0)
-                            if sinks:
+                            if sinks and split == 0:
                                 total[g, 0] = T.float32(1.0)
                             for d in T.vectorized(key_dim):
                                 q_s[g, d] = T.Cast("float32", q[row, kvh * group + g, d]) * scale
@@ -415,7 +439,7 @@ def attention_kernel(
                                     q_s[g, d] = q_s[g, d] * k_scale[kvh, d]
                             for d in T.vectorized(value_dim):
                                 acc[g, d] = 0.0
-                        for b in T.serial(lo // block_size, pos // block_size + 1):
+                        for b in T.serial(b_lo, b_hi):
                             block: T.let[T.int32] = block_tables[seq[0], b]
                             # the next block's keys and values, a position per key of this one (a burst of them
                             # all would wait on the cache's few outstanding misses)
@@ -467,10 +491,16 @@ def attention_kernel(
                                 for d in T.vectorized(value_dim):
                                     acc[g, d] = acc[g, d] * v_scale[kvh, d]
                             denominator: T.let[T.float32] = buffer_tree(operator.add, total, (g,), block_size)
-                            for d in T.vectorized(value_dim):
-                                out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / denominator)
+                            if splits == 1:
+                                for d in T.vectorized(value_dim):
+                                    out[row, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / denominator)
+                            else:
+                                for d in T.vectorized(value_dim):
+                                    partial[task, g, d] = acc[g, d]
+                                partial[task, g, value_dim] = m[g]
+                                partial[task, g, value_dim + 1] = denominator
 
-                    elif offset == lead:  # a prompt chunk's tile: its rows' query heads take every key at once
+                    elif offset == lead and split == 0:  # a prompt chunk's tile: its rows' query heads take every key
                         with T.sblock("tile"):
                             T.reads()
                             T.writes()
@@ -579,6 +609,38 @@ def attention_kernel(
                                             / total_t[v]
                                             * (v_scale[kvh, d] if quantized else T.float32(1.0)),
                                         )
+            if splits > 1:  # each decode row's ranges merged: outputs and sums rescaled to the ranges' largest max
+                for task in T.serial(n * kv_heads):
+                    with T.sblock("merge"):
+                        T.reads()
+                        T.writes()
+                        seq = T.sblock_alloc_buffer((1,), "int32")
+                        merged = T.sblock_alloc_buffer((value_dim,), "float32")
+                        top = T.sblock_alloc_buffer((1,), "float32")
+                        weight = T.sblock_alloc_buffer((1,), "float32")
+                        denominator = T.sblock_alloc_buffer((1,), "float32")
+                        row: T.let[T.int32] = task // kv_heads
+                        kvh: T.let[T.int32] = task % kv_heads
+                        _sequence_of(seq, query_start, num_seqs, row)
+                        offset: T.let[T.int32] = row - query_start[seq[0]]
+                        lead: T.let[T.int32] = offset - offset % tile_rows
+                        if T.min(tile_rows, query_start[seq[0] + 1] - query_start[seq[0]] - lead) == 1:
+                            for g in T.serial(group):
+                                top[0] = T.float32(NEG)
+                                denominator[0] = T.float32(0.0)
+                                for d in T.vectorized(value_dim):
+                                    merged[d] = T.float32(0.0)
+                                for s in T.serial(splits):
+                                    if partial[task * splits + s, g, value_dim + 1] > T.float32(0.0):
+                                        top[0] = T.max(top[0], partial[task * splits + s, g, value_dim])
+                                for s in T.serial(splits):
+                                    if partial[task * splits + s, g, value_dim + 1] > T.float32(0.0):
+                                        weight[0] = T.exp(partial[task * splits + s, g, value_dim] - top[0])
+                                        denominator[0] += weight[0] * partial[task * splits + s, g, value_dim + 1]
+                                        for d in T.vectorized(value_dim):
+                                            merged[d] += weight[0] * partial[task * splits + s, g, d]
+                                for d in T.vectorized(value_dim):
+                                    out[row, kvh * group + g, d] = T.Cast(dtype, merged[d] / denominator[0])
 
     return paged_attention
 
