@@ -71,6 +71,13 @@ def _sequence_of(seq: T.Buffer, query_start: T.Buffer, num_seqs: T.int32, row: T
             seq[0] = s
 
 
+def _rows_in_tile(query_start: T.Buffer, seq: T.Buffer, offset: tirx.PrimExpr, tile_rows: int) -> tirx.PrimExpr:
+    """Rows of the CPU kernel's prompt tile that holds row `offset` of sequence seq[0]'s new rows (1: a decode row,
+    or a chunk's last alone in its tile)."""
+    lead = offset - offset % tile_rows  # the first row of the tile
+    return T.min(tile_rows, query_start[seq[0] + 1] - query_start[seq[0]] - lead)
+
+
 def _to_int8(x: tirx.PrimExpr, scale: tirx.PrimExpr) -> tirx.PrimExpr:
     """x as an int8 step of `scale`: rounded, saturated to [-128, 127] (ir/attention.py's quantize_kv)."""
     steps = T.round(T.Cast("float32", x) / scale)
@@ -414,7 +421,7 @@ def attention_kernel(
                     _sequence_of(seq, query_start, num_seqs, row)
                     offset: T.let[T.int32] = row - query_start[seq[0]]
                     lead: T.let[T.int32] = offset - offset % tile_rows  # the first row of this row's tile
-                    rows: T.let[T.int32] = T.min(tile_rows, query_start[seq[0] + 1] - query_start[seq[0]] - lead)
+                    rows: T.let[T.int32] = _rows_in_tile(query_start, seq, offset, tile_rows)
                     pos: T.let[T.int32] = past_lens[seq[0]] + offset
                     lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
                     per_split: T.let[T.int32] = T.ceildiv(pos // block_size + 1 - lo // block_size, splits)
@@ -622,9 +629,7 @@ def attention_kernel(
                         row: T.let[T.int32] = task // kv_heads
                         kvh: T.let[T.int32] = task % kv_heads
                         _sequence_of(seq, query_start, num_seqs, row)
-                        offset: T.let[T.int32] = row - query_start[seq[0]]
-                        lead: T.let[T.int32] = offset - offset % tile_rows
-                        if T.min(tile_rows, query_start[seq[0] + 1] - query_start[seq[0]] - lead) == 1:
+                        if _rows_in_tile(query_start, seq, row - query_start[seq[0]], tile_rows) == 1:
                             for g in T.serial(group):
                                 top[0] = T.float32(NEG)
                                 denominator[0] = T.float32(0.0)
