@@ -22,7 +22,7 @@ from llmlower.backends.tvm.qlinear_amx_bf16 import BF16_MIN_ROWS
 from llmlower.backends.tvm.qlinear_int8 import MADDUBS_FLOAT_ROWS
 from llmlower.backends.tvm.qlinear_kernel import qlinear_kernel
 from llmlower.errors import LlmlowerError
-from llmlower.ir.quant import QuantScheme, quantize
+from llmlower.ir.quant import QuantizedWeight, QuantScheme, quantize
 from llmlower.passes import build_pipeline
 
 x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="int8 dot products are x86 kernels")
@@ -101,6 +101,19 @@ def _zero_points(scheme: QuantScheme, zeros: torch.Tensor | None, groups: int) -
     return zeros.numpy().astype(np.float64)
 
 
+def _quantized_with_extremes(
+    out_features: int, in_features: int, scheme: QuantScheme, gen: torch.Generator
+) -> tuple[QuantizedWeight, list[np.ndarray]]:
+    """Random weights quantized by `scheme` and the kernel's tensors of them (qweight, scales[, zeros]), every
+    seventh weight byte 0 and the next but two 255 (4-bit: both nibbles 0 or 15), so that the extreme weights meet
+    x's extremes (each group's largest rounds to +-127)."""
+    q = quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, scheme)
+    tensors = [t.numpy() for t in (q.qweight, q.scales, q.zeros) if t is not None]
+    tensors[0].reshape(-1)[::7] = 0
+    tensors[0].reshape(-1)[3::7] = 255
+    return q, tensors
+
+
 @x86
 @pytest.mark.parametrize(("dot", "quant"), [(d, q) for d in _instructions() for q in sorted(SCHEMES)], ids=str)
 def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
@@ -114,10 +127,7 @@ def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
     rounded = scheme.group or in_features  # the features x is rounded in: per channel, the whole row
     gen = torch.Generator().manual_seed(0)
     out_features = 64
-    q = quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, scheme)
-    tensors = [t.numpy() for t in (q.qweight, q.scales, q.zeros) if t is not None]
-    tensors[0].reshape(-1)[::7] = 0  # the extreme weights (bytes 0 and 255: 4-bit, both nibbles 0 or 15) meet
-    tensors[0].reshape(-1)[3::7] = 255  # x's extremes (each group's largest rounds to +-127)
+    q, tensors = _quantized_with_extremes(out_features, in_features, scheme, gen)
     bias = torch.randn(out_features, generator=gen).numpy()
     zero = _zero_points(scheme, q.zeros, in_features // rounded)
     weights = _unpacked(tensors[0], scheme.bits)
@@ -195,10 +205,7 @@ def test_prompt_sized_calls_multiply_in_bfloat16(quant, out_features):
     scheme, zeros = SCHEMES[quant]
     in_features = 576 if scheme.group == 32 else 512
     gen = torch.Generator().manual_seed(5)
-    q = quantize(torch.randn(out_features, in_features, generator=gen) * 0.05, scheme)
-    tensors = [t.numpy() for t in (q.qweight, q.scales, q.zeros) if t is not None]
-    tensors[0].reshape(-1)[::7] = 0  # the extreme weights (bytes 0 and 255: 4-bit, both nibbles 0 or 15) meet
-    tensors[0].reshape(-1)[3::7] = 255  # x's extremes (each group's largest rounds to +-127)
+    q, tensors = _quantized_with_extremes(out_features, in_features, scheme, gen)
     bias = torch.randn(out_features, generator=gen).numpy()
     groups = in_features // scheme.group
     scales = np.repeat(q.scales.numpy().astype(np.float64), scheme.group, axis=1)
