@@ -26,9 +26,15 @@ from .int8_dot import MADDUBS, Int8Dot, byte_offset, dot_bytes, dot_nibbles
 from .int8_rounding import group_max_macro, inverse_scale
 from .lane_tree import buffer_tree
 from .paged_kernels import ATTRS
+from .prefetch import prefetch
 from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_granted, tiles_of
 from .qlinear_amx_bf16 import BF16_MIN_ROWS, DEPTH, bf16_macros, bf16_task_rows, x_tile_pairs
 
+# bytes: each weight vector's load prefetches into L2 the line this far ahead in the weight rows (the next page:
+# the hardware prefetchers stop at each 4 KiB page and learn the next one again). Llama-1B's shape, batch-1 decode,
+# 2 threads on a Sapphire Rapids VM (26.6 GB/s copy bandwidth): 27.3-28.2 tok/s without, 37-38 with 2 KiB ahead,
+# 41.3-42.3 with 4, 8 or 16 KiB; into L1 (prefetcht0) 35; non-temporal 18.7
+STREAM_AHEAD = 4096
 TILE = 4  # activation rows a weight vector is multiplied with while it is in a register (8 accumulators)
 # Without VNNI a vector of bytes takes pmaddubsw + pmaddwd (8-bit weights: two psignb besides) where float32 takes one
 # FMA per 8 or 16 weights of a row already dequantized: from this many rows of x, which share that dequantization,
@@ -207,6 +213,7 @@ def int8_kernel(
             for r in T.unroll(rows):
                 dots[r, T.ramp(0, 1, lanes)] = T.broadcast(T.int32(0), lanes)
             for c in T.unroll(vectors):
+                T.evaluate(prefetch(k.weight[n, s * width * vectors + c * width + STREAM_AHEAD]))
                 for r in T.unroll(rows):  # each weight vector read once for the rows
                     dots[r, T.ramp(0, 1, lanes)] = weight_dot(
                         dots[r, T.ramp(0, 1, lanes)],
