@@ -40,7 +40,8 @@ PIPELINE_WORDS: dict[str, tuple[str, ...]] = {
 TOP_OPS = 5
 ABOVE_ROOF_NOTE = (
     "measured above its roof: the ceilings are too low (measured during a busy moment?); re-measure them with "
-    "--remeasure. If a step stays above, the cost model over-counts its work."
+    "--remeasure. If a step stays above, its bytes come from the last-level cache (a model that fits in it), a "
+    "prefetched read stream outruns the copy the bandwidth ceiling measures, or the cost model over-counts its work."
 )
 
 
