@@ -166,7 +166,8 @@ def test_groups_of_less_than_a_vector_stay_in_float32():
 @pytest.mark.parametrize("quant", ["q4g32-sym", "q4g32", "q8"])
 def test_float16_scales_give_what_the_same_scales_in_float32_give(quant):
     """Scales (and float zero points) read as float16 and widened in the kernel: the float32 kernel's results on the
-    same values, bit for bit, on the float kernel and the int8 one (one row, a tile, and AMX's many rows)."""
+    same values, bit for bit, on the float kernel and the int8 one (one row, a tile, and on AMX one tile of 16 rows,
+    whose tasks widen their scales up front, and many)."""
     scheme, zeros = SCHEMES[quant]
     gen = torch.Generator().manual_seed(4)
     q = quantize(torch.randn(64, 576, generator=gen) * 0.05, QuantScheme(**{**vars(scheme), "scale_dtype": "float16"}))
@@ -175,7 +176,7 @@ def test_float16_scales_give_what_the_same_scales_in_float32_give(quant):
     bias = torch.randn(64, generator=gen).numpy()
     x = torch.randn(37, 576, generator=gen).numpy()
     for dot in [None, *_instructions()[-1:]]:  # the float kernel, and this CPU's widest int8 dot product (or AMX)
-        for rows in (x[:1], x[:5], x):
+        for rows in (x[:1], x[:5], x[:16], x):
             np.testing.assert_array_equal(
                 _run_kernel(dot, rows, narrow, scheme.bits, zeros, bias),
                 _run_kernel(dot, rows, wide, scheme.bits, zeros, bias),

@@ -136,7 +136,8 @@ def int8_kernel(
         lambda k, n: k.bias[n] if bias else T.float32(0),
     )
     if amx is not None:
-        round_row_to_tiles, amx_weight_rows = amx_macros(amx, group, groups, in_features, bits, *operand_reads)
+        staged = (scale_dtype != "float32", zeros != "none")  # read in place: float32 scales, constant zero points
+        round_row_to_tiles, amx_weight_rows = amx_macros(amx, group, groups, in_features, bits, *operand_reads, staged)
     # grouped 4-bit weights on bfloat16 tiles (8-bit ones and per-channel ones keep int8's, twice bfloat16's rate)
     bf16_task = bf16_task_rows(out_features, in_features)
     in_bf16 = int8_dot.amx_bf16 and bits == 4 and groups > 1 and in_features % DEPTH == 0 and bf16_task is not None
