@@ -31,8 +31,7 @@ MAX_DEPTH = 64  # bytes of a row of an A tile: the reduction one tdpbusd takes
 HALF = TILE_ROWS // 2
 MIN_ROWS = 16  # calls with fewer rows of x stay on the vector kernel (decode's one row is bound by memory)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
-C_TILES, A_TILES, B_TILES = (0, 1, 6, 7), (2, 4), (3, 5)  # group g's sums in C tile g % 4, its operands' pair g % 2
-AHEAD = 2  # groups multiplied ahead of the one whose sums take their scales: tdpbusd's latency hidden
+C_TILE, A_TILE, B_TILE = 0, 2, 3  # the first of two C tiles (0, 1), A (2, 4) and B (3, 5) tiles
 
 
 class AmxShape(NamedTuple):
@@ -100,9 +99,9 @@ def amx_macros(
     [tiles * 16 * in_features] int8, x_scale_t and x_sums_t [groups, tiles * 16] float32 among them), to run once
     tiles_granted(): round_row_to_tiles(k, i, rows, b) and weight_rows(k, task, rows, b). zero_of(k, n, g),
     scale_of(k, n, g) and bias_of(k, n): weight row n's group g zero point and scale, and its bias, as float32.
-    `staged` (scales, zero points): those a task widens to float32 for its 16 rows once, up front, where reading
-    them in the drain would take a conversion per weight row and group (16-bit scales, zero points in nibbles or
-    16 bits); float32 scales and constant zero points are read in place."""
+    `staged` (scales, zero points): those a task widens to float32 for its 16 rows once, up front, where the drain
+    would convert them for every weight row and group (16-bit ones); float32 ones, zero points in nibbles (staging
+    them measured slower on SmolLM2's q4mix-a8) and constant ones are read in place."""
     streams, stream_bytes, depth = shape
     stage_scales, stage_zeros = staged
     group_max = group_max_macro(group)
@@ -148,20 +147,17 @@ def amx_macros(
                     k.x_sums_t[g, i] = buffer_tree(operator.add, sums, (), side_by_side) * k.x_scale_t[g, i]
 
     @T.macro
-    def configure(config):  # palette 1: C 16 rows of 16 int32, A 16 rows of `depth` bytes, B depth / 4 rows of 64
-        for byte in T.serial(64):
+    def configure(config):  # palette 1: two of each, C 16 rows of 16 int32, A 16 rows of `depth` bytes, B depth / 4
+        for byte in T.serial(64):  # rows of 64
             config[byte] = T.uint8(0)
         config[0] = T.uint8(1)
-        for c in T.unroll(
-            len(C_TILES)
-        ):  # a tile's row bytes at 16 + 2 x tile (16-bit, little-endian), rows at 48 + tile
-            config[16 + 2 * (c + c // 2 * 4)] = T.uint8(64)  # C_TILES: 0, 1, 6, 7
-            config[48 + c + c // 2 * 4] = T.uint8(TILE_ROWS)
-        for pair in T.unroll(2):  # A_TILES and B_TILES: (2, 3), (4, 5)
-            config[16 + 2 * (2 + 2 * pair)] = T.uint8(depth)
-            config[48 + 2 + 2 * pair] = T.uint8(TILE_ROWS)
-            config[16 + 2 * (3 + 2 * pair)] = T.uint8(64)
-            config[48 + 3 + 2 * pair] = T.uint8(depth // 4)
+        for tiles in T.unroll(2):  # a row's bytes at 16 + 2 x tile (16-bit, little-endian), its rows at 48 + tile
+            config[16 + 2 * (C_TILE + tiles)] = T.uint8(64)
+            config[48 + C_TILE + tiles] = T.uint8(TILE_ROWS)
+            config[16 + 2 * (A_TILE + 2 * tiles)] = T.uint8(depth)
+            config[48 + A_TILE + 2 * tiles] = T.uint8(TILE_ROWS)
+            config[16 + 2 * (B_TILE + 2 * tiles)] = T.uint8(64)
+            config[48 + B_TILE + 2 * tiles] = T.uint8(depth // 4)
         x86_intrinsic("ldtilecfg", T.address_of(config[0]))
 
     @T.macro
@@ -181,7 +177,7 @@ def amx_macros(
         unpacked[r, T.ramp(slot * 2 * window, 1, 2 * window)] = T.Shuffle([low_nibbles, high_nibbles], in_stream_order)
 
     @T.macro
-    def multiply(k, c, unpacked, one_tile, first, t, g):  # C tile C_TILES[c] = group g of the 16 weight rows x tile t
+    def multiply(k, tiles, unpacked, one_tile, first, t, g):  # C tile `tiles` = group g of the 16 weight rows x tile t
         if t == 0 and first + TILE_ROWS < k.weight.shape[0]:  # the next task's weights and scales, a group's share
             prefetch_part(k.weight, first, g)
             prefetch_part(k.scales, first, g)
@@ -189,8 +185,7 @@ def amx_macros(
         if one_tile and unpack and g % window_groups == 0 and w + 1 < windows:  # the next window, one ahead so
             for r in T.serial(TILE_ROWS):  # that its stores are in L1 by the time tiles load them
                 unpack_window(k, unpacked, first, r, w + 1, (w + 1) % 2)
-        sums_tile, weight_tile, x_tile = T.meta_var((C_TILES[c], A_TILES[c % 2], B_TILES[c % 2]))
-        x86_intrinsic("tilezero", T.int8(sums_tile))
+        x86_intrinsic("tilezero", T.int8(C_TILE + tiles))
         for q in T.serial(group // depth):
             at = T.meta_var(g * group + q * depth)  # in stream order
             if unpack:  # one tile: the group's place in its window's half of the buffer; more: in the task's bytes
@@ -200,50 +195,43 @@ def amx_macros(
                 weights = T.meta_var(T.address_of(k.weight[first, at]))
             x_rows = T.meta_var(T.address_of(k.x_tiles[(t * in_features + at) * TILE_ROWS]))
             stride = T.meta_var(unpacked.shape[1] if unpack else row_bytes)
-            x86_intrinsic("tileloadd64", T.int8(weight_tile), weights, T.int64(stride))
-            x86_intrinsic("tileloadd64", T.int8(x_tile), x_rows, T.int64(64))
-            x86_intrinsic("tdpbusd", T.int8(sums_tile), T.int8(weight_tile), T.int8(x_tile))
+            x86_intrinsic("tileloadd64", T.int8(A_TILE + 2 * tiles), weights, T.int64(stride))
+            x86_intrinsic("tileloadd64", T.int8(B_TILE + 2 * tiles), x_rows, T.int64(64))
+            x86_intrinsic("tdpbusd", T.int8(C_TILE + tiles), T.int8(A_TILE + 2 * tiles), T.int8(B_TILE + 2 * tiles))
 
-    def scale_at(k, task_scales, first, n, g):  # the task's weight row n, group g: its scale as float32
-        return task_scales[n, g] if stage_scales else scale_of(k, first + n, g)
+    def scale_at(k, staged_rows, first, n, g):  # the task's weight row n, group g: its scale as float32
+        return staged_rows[0][n, g] if stage_scales else scale_of(k, first + n, g)
 
-    def zero_at(k, task_zeros, first, n, g):  # and its zero point
-        return task_zeros[n, g] if stage_zeros else zero_of(k, first + n, g)
+    def zero_at(k, staged_rows, first, n, g):  # and its zero point
+        return staged_rows[1][n, g] if stage_zeros else zero_of(k, first + n, g)
 
     @T.macro
-    def stage(k, task_scales, task_zeros, first):  # the task's staged scales and zero points, widened once
+    def stage(k, staged_rows, first):  # the task's staged scales and zero points, widened once
         if stage_scales:
             for n in T.serial(TILE_ROWS):
                 for g in T.vectorized(groups):
-                    task_scales[n, g] = scale_of(k, first + n, g)
+                    staged_rows[0][n, g] = scale_of(k, first + n, g)
         if stage_zeros:
             for n in T.serial(TILE_ROWS):
                 for g in T.vectorized(groups):
-                    task_zeros[n, g] = zero_of(k, first + n, g)
+                    staged_rows[1][n, g] = zero_of(k, first + n, g)
 
     @T.macro
-    def drain_half(k, staged_rows, c, sums, acc, half, first, t, g):  # half of C tile c's weight rows into acc
+    def drain_half(k, staged_rows, tiles, sums, acc, half, first, t, g):  # half of the C tile's weight rows into acc
         for n in T.unroll(HALF):
-            scale = T.meta_var(scale_at(k, staged_rows[0], first, half + n, g))
-            zero = T.meta_var(zero_at(k, staged_rows[1], first, half + n, g))
+            scale = T.meta_var(scale_at(k, staged_rows, first, half + n, g))
+            zero = T.meta_var(zero_at(k, staged_rows, first, half + n, g))
             acc[n, T.ramp(0, 1, TILE_ROWS)] += T.broadcast(scale, TILE_ROWS) * (
-                T.Cast(f"float32x{TILE_ROWS}", sums[c, half + n, T.ramp(0, 1, TILE_ROWS)])
+                T.Cast(f"float32x{TILE_ROWS}", sums[tiles, half + n, T.ramp(0, 1, TILE_ROWS)])
                 * k.x_scale_t[g, tile_rows(t)]
                 - T.broadcast(zero, TILE_ROWS) * k.x_sums_t[g, tile_rows(t)]
             )
 
     @T.macro
-    def drain(k, staged_rows, c, sums, low, high, first, t, g):  # C tile c, group g's sums, into acc with its scales
-        x86_intrinsic("tilestored64", T.int8(C_TILES[c]), T.address_of(sums[c, 0, 0]), T.int64(4 * TILE_ROWS))
-        drain_half(k, staged_rows, c, sums, low, 0, first, t, g)
-        drain_half(k, staged_rows, c, sums, high, HALF, first, t, g)
-
-    @T.macro
-    def turn(k, staged_rows, sums, low, high, unpacked, one_tile, first, t, g, c):  # group g (C tile c) drained
-        if g + AHEAD < groups:  # after group g + AHEAD's multiply starts
-            multiply(k, (c + AHEAD) % len(C_TILES), unpacked, one_tile, first, t, g + AHEAD)
-        if g < groups:
-            drain(k, staged_rows, c, sums, low, high, first, t, g)
+    def drain(k, staged_rows, tiles, sums, low, high, first, t, g):  # C tile `tiles`, group g's sums, into acc
+        x86_intrinsic("tilestored64", T.int8(C_TILE + tiles), T.address_of(sums[tiles, 0, 0]), T.int64(4 * TILE_ROWS))
+        drain_half(k, staged_rows, tiles, sums, low, 0, first, t, g)
+        drain_half(k, staged_rows, tiles, sums, high, HALF, first, t, g)
 
     @T.macro
     def tile_of_x(k, staged_rows, sums, low, high, unpacked, one_tile, first, t, rows, b):  # out[tile t's rows, 16]
@@ -253,15 +241,16 @@ def amx_macros(
         if one_tile and unpack:  # the first window (the others are unpacked a window ahead)
             for r in T.serial(TILE_ROWS):
                 unpack_window(k, unpacked, first, r, 0, 0)
-        # four C tiles in turn: while a group's sums take their scales, the next AHEAD groups' multiplies run
+        # two C tiles in turn: a group's multiply runs while the previous group's sums take their scales
         multiply(k, 0, unpacked, one_tile, first, t, 0)
-        if groups > 1:
-            multiply(k, 1, unpacked, one_tile, first, t, 1)
-        for turns in T.serial((groups + 3) // 4):
-            turn(k, staged_rows, sums, low, high, unpacked, one_tile, first, t, 4 * turns, 0)
-            turn(k, staged_rows, sums, low, high, unpacked, one_tile, first, t, 4 * turns + 1, 1)
-            turn(k, staged_rows, sums, low, high, unpacked, one_tile, first, t, 4 * turns + 2, 2)
-            turn(k, staged_rows, sums, low, high, unpacked, one_tile, first, t, 4 * turns + 3, 3)
+        for pair in T.serial(groups // 2):
+            multiply(k, 1, unpacked, one_tile, first, t, 2 * pair + 1)
+            drain(k, staged_rows, 0, sums, low, high, first, t, 2 * pair)
+            if 2 * pair + 2 < groups:
+                multiply(k, 0, unpacked, one_tile, first, t, 2 * pair + 2)
+            drain(k, staged_rows, 1, sums, low, high, first, t, 2 * pair + 1)
+        if groups % 2 == 1:
+            drain(k, staged_rows, 0, sums, low, high, first, t, groups - 1)
         for r in T.unroll(TILE_ROWS):
             if t * TILE_ROWS + r < rows:
                 row = T.meta_var(t * TILE_ROWS + r)
@@ -275,7 +264,7 @@ def amx_macros(
             T.reads()
             T.writes()
             config = T.sblock_alloc_buffer((64,), "uint8")
-            sums = T.sblock_alloc_buffer((len(C_TILES), TILE_ROWS, TILE_ROWS), "int32", scope="local")
+            sums = T.sblock_alloc_buffer((2, TILE_ROWS, TILE_ROWS), "int32", scope="local")
             # the sums so far of the task's weight rows, in registers: buffers under 1 KiB of the default scope
             # become stack slots LLVM keeps in registers ("local" ones are heap workspace)
             low = T.sblock_alloc_buffer((HALF, TILE_ROWS), "float32")
@@ -285,7 +274,7 @@ def amx_macros(
             staged_rows = T.meta_var((task_scales, task_zeros))
             configure(config)
             first = T.meta_var(task * TILE_ROWS)
-            stage(k, task_scales, task_zeros, first)
+            stage(k, staged_rows, first)
             if rows <= TILE_ROWS:  # one tile of x (a step of up to 16 streams): a window's bytes at a time, in L1
                 with T.sblock("one_tile"):
                     T.reads()

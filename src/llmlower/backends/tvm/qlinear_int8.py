@@ -136,7 +136,8 @@ def int8_kernel(
         lambda k, n: k.bias[n] if bias else T.float32(0),
     )
     if amx is not None:
-        staged = (scale_dtype != "float32", zeros != "none")  # read in place: float32 scales, constant zero points
+        narrow = scale_dtype != "float32"  # 16-bit scales and float zero points staged; the rest read in place
+        staged = (narrow, zeros == "float" and narrow)
         round_row_to_tiles, amx_weight_rows = amx_macros(amx, group, groups, in_features, bits, *operand_reads, staged)
     # grouped 4-bit weights on bfloat16 tiles (8-bit ones and per-channel ones keep int8's, twice bfloat16's rate)
     bf16_task = bf16_task_rows(out_features, in_features)
