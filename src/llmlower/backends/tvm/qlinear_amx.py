@@ -207,14 +207,13 @@ def amx_macros(
 
     @T.macro
     def stage(k, staged_rows, first):  # the task's staged scales and zero points, widened once
-        if stage_scales:
+        if stage_scales or stage_zeros:
             for n in T.serial(TILE_ROWS):
                 for g in T.vectorized(groups):
-                    staged_rows[0][n, g] = scale_of(k, first + n, g)
-        if stage_zeros:
-            for n in T.serial(TILE_ROWS):
-                for g in T.vectorized(groups):
-                    staged_rows[1][n, g] = zero_of(k, first + n, g)
+                    if stage_scales:
+                        staged_rows[0][n, g] = scale_of(k, first + n, g)
+                    if stage_zeros:
+                        staged_rows[1][n, g] = zero_of(k, first + n, g)
 
     @T.macro
     def drain_half(k, staged_rows, tiles, sums, acc, half, first, t, g):  # half of the C tile's weight rows into acc
