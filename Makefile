@@ -16,7 +16,7 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 # `pip install $(2)` run by the Python $(1), tried three times: a registry connection that drops mid-download would
 # otherwise fail the whole setup (pip's own retries only cover connecting and resuming one file)
 define pip_install
-for attempt in 1 2 3; do \
+echo "$(1) -m pip install $(2)"; for attempt in 1 2 3; do \
 	$(1) -m pip install --quiet --retries 10 $(2) && exit 0; \
 	echo "pip install $(2): attempt $$attempt of 3 failed" >&2; sleep 20; \
 done; exit 1
@@ -27,8 +27,8 @@ install: $(VENV)/.installed
 # torch is pinned (2.13.0, CPU build); an unpinned torch would pull several GB of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(call pip_install,$(PY),--upgrade pip)
-	$(call pip_install,$(PY),--resume-retries 20 -e '.[dev]')
+	@$(call pip_install,$(PY),--upgrade pip)
+	@$(call pip_install,$(PY),--resume-retries 20 -e '.[dev]')
 	touch $@
 
 # The first run compiles the example once into ~/.cache/llmlower/artifacts; every run prints its decode speed.
@@ -62,8 +62,8 @@ test-runtime: install $(RUNTIME_VENV)/.installed
 
 $(RUNTIME_VENV)/.installed: pyproject.toml
 	python3 -m venv $(RUNTIME_VENV)
-	$(call pip_install,$(RUNTIME_VENV)/bin/python,--upgrade pip)
-	$(call pip_install,$(RUNTIME_VENV)/bin/python,--resume-retries 20 -e '.[test-runtime]')
+	@$(call pip_install,$(RUNTIME_VENV)/bin/python,--upgrade pip)
+	@$(call pip_install,$(RUNTIME_VENV)/bin/python,--resume-retries 20 -e '.[test-runtime]')
 	touch $@
 
 # The documentation site, into build/site; the CLI and pass reference pages are generated from the code
