@@ -112,14 +112,48 @@ def _dot_lanes(
     group: int,
     lanes: int,
 ) -> None:
-    """part[g, lane] += q_s[g, start:start + width] · pool[block, t, kvh, :width] for each query head g of the
-    group, in `lanes` partial sums (the CPU kernel's key)."""
+    """part[g, t, lane] += q_s[g, start:start + width] · pool[block, t, kvh, :width] for each query head g of the
+    group, in `lanes` partial sums (the CPU kernel's key t)."""
     for c in T.unroll(width // lanes):
         for g in T.unroll(group):
             for lane in T.vectorized(lanes):
-                part[g, lane] += q_s[g, start + c * lanes + lane] * T.Cast(
+                part[g, t, lane] += q_s[g, start + c * lanes + lane] * T.Cast(
                     "float32", pool[block, t, kvh, c * lanes + lane]
                 )
+
+
+def _sum_keys(part: tirx.Buffer, score: tirx.Buffer, g: tirx.PrimExpr, first: tirx.PrimExpr, keys: int) -> None:
+    """score[g, first + t] = the sum of part[g, first + t, :] for the `keys` keys from `first`, their partial sums'
+    lanes reduced together in vector registers: each key's lanes halved down to `keys` lanes, then pairs of vectors
+    shuffled into one whose lanes hold half of each's (a stage halves the vectors and their partial sums), so the
+    keys end in one vector, key t in lane t, after keys - 1 adds instead of a horizontal sum per key."""
+    lanes = int(part.shape[2])
+    vectors = [part[g, first + t, T.ramp(0, 1, lanes)] for t in range(keys)]
+    while lanes > keys:  # a key's partial sums halved
+        lanes //= 2
+        vectors = [T.Shuffle([v], list(range(lanes))) + T.Shuffle([v], list(range(lanes, 2 * lanes))) for v in vectors]
+    width = keys // 2
+    while len(vectors) > 1:
+        half = len(vectors) // 2
+        low, high = _key_lanes(keys, width)
+        vectors = [
+            T.Shuffle([vectors[i], vectors[i + half]], low) + T.Shuffle([vectors[i], vectors[i + half]], high)
+            for i in range(half)
+        ]
+        width //= 2
+    T.buffer_store(score, vectors[0], [g, T.ramp(first, 1, keys)])
+
+
+def _key_lanes(keys: int, width: int) -> tuple[list[int], list[int]]:
+    """A stage of _sum_keys over vectors a, b (`keys` lanes, concatenated): in each run of 2 x width lanes, the
+    first width lanes of the sum get a's halves of its run, the rest b's."""
+    low, high = [], []
+    for lane in range(keys):
+        run, within = divmod(lane, 2 * width)
+        source = run * 2 * width + within + (keys - width if within >= width else 0)
+        low.append(source)
+        high.append(source + width)
+    return low, high
 
 
 @T.macro
@@ -245,8 +279,9 @@ def attention_kernel(
     vector_lanes: int = LANES,
 ) -> tirx.PrimFunc:
     """out[row, h] = softmax(scale * q·K) · V over the row's own positions lo..pos (lo = pos - window + 1 with a
-    sliding window, else 0). CPU: one task per (row, kv head), each pass over a key serving its query heads;
-    a prompt chunk's rows are taken prefill_tile_rows at a time instead (one task per tile and kv head), so that
+    sliding window, else 0). CPU: one task per (row, kv head), each pass over a key serving its query heads, whose
+    dot products run in vector-wide partial sums that a block's keys then reduce together (_sum_keys); a prompt
+    chunk's rows are taken prefill_tile_rows at a time instead (one task per tile and kv head), so that
     each key is read once for the tile's rows x query heads, whose scores run in vector lanes (q transposed); a
     row alone in its tile (a decode row) keeps the one-row path. With fewer than SPLIT_TASKS tasks (a few decode
     rows: SmolLM2's 3 kv heads would leave one of 2 threads idle a third of the time), each decode row's blocks
@@ -266,7 +301,8 @@ def attention_kernel(
     quantized = _quantized(pool_dtype, target_kind)
     dv = value_head_dim or head_dim
     key_dim, value_dim = (head_dim + dv, head_dim) if latent else (head_dim, dv)
-    lanes = math.gcd(head_dim, key_dim, LANES)
+    lanes = math.gcd(head_dim, key_dim, vector_lanes)  # a decode row's partial sums per key
+    key_run = min(lanes, block_size)  # keys whose partial sums are reduced together
     dims_per_thread = -(-key_dim // CUDA_THREADS)
     value_dims_per_thread = -(-value_dim // CUDA_THREADS)
     tile_rows = prefill_tile_rows(group)
@@ -413,7 +449,7 @@ def attention_kernel(
                     m = T.sblock_alloc_buffer((group,), "float32")
                     m_new = T.sblock_alloc_buffer((group,), "float32")
                     alpha = T.sblock_alloc_buffer((group,), "float32")
-                    part = T.sblock_alloc_buffer((group, lanes), "float32")
+                    part = T.sblock_alloc_buffer((group, block_size, lanes), "float32")
                     total = T.sblock_alloc_buffer((group, block_size), "float32")  # the softmax's sums, by key slot
                     row: T.let[T.int32] = task // (kv_heads * splits)
                     kvh: T.let[T.int32] = task // splits % kv_heads
@@ -451,34 +487,26 @@ def attention_kernel(
                             # the next block's keys and values, a position per key of this one (a burst of them
                             # all would wait on the cache's few outstanding misses)
                             ahead: T.let[T.int32] = block_tables[seq[0], T.min(b + 1, pos // block_size)]
-                            for t in T.serial(block_size):
+                            for t in T.serial(block_size):  # every slot's dot (outside lo..pos masked below)
                                 if b < pos // block_size:
                                     _prefetch_row(k_pool, ahead, t, kvh, head_dim, line_elems)
                                     _prefetch_row(v_pool, ahead, t, kvh, dv, line_elems)
-                                for g in T.serial(group):
-                                    score[g, t] = NEG
-                                if lo <= b * block_size + t and b * block_size + t <= pos:
-                                    for g, lane in T.grid(group, lanes):
-                                        part[g, lane] = 0.0
-                                    _dot_lanes(part, q_s, 0, k_pool, block, t, kvh, head_dim, group, lanes)
-                                    if latent:
-                                        _dot_lanes(part, q_s, head_dim, v_pool, block, t, kvh, dv, group, lanes)
-                                    for g in T.unroll(group):  # the lanes summed in halves, in vector registers
-                                        if lanes == 8:
-                                            for lane in T.vectorized(4):
-                                                part[g, lane] += part[g, lane + 4]
-                                        if lanes >= 4:
-                                            for lane in T.vectorized(2):
-                                                part[g, lane] += part[g, lane + 2]
-                                        score[g, t] = part[g, 0]
-                                        if lanes >= 2:
-                                            score[g, t] += part[g, 1]
-                                        if softcap > 0:
-                                            score[g, t] = capped(score[g, t])
-                                        if alibi:
-                                            score[g, t] += slope[kvh * group + g] * T.Cast(
-                                                "float32", b * block_size + t - pos
-                                            )
+                                for g in T.unroll(group):
+                                    for lane in T.vectorized(lanes):
+                                        part[g, t, lane] = 0.0
+                                _dot_lanes(part, q_s, 0, k_pool, block, t, kvh, head_dim, group, lanes)
+                                if latent:
+                                    _dot_lanes(part, q_s, head_dim, v_pool, block, t, kvh, dv, group, lanes)
+                            for g in T.unroll(group):
+                                for run in T.unroll(block_size // key_run):
+                                    _sum_keys(part, score, g, run * key_run, key_run)
+                                for t in T.vectorized(block_size):
+                                    j = T.meta_var(b * block_size + t)
+                                    if softcap > 0:
+                                        score[g, t] = capped(score[g, t])
+                                    if alibi:
+                                        score[g, t] += slope[kvh * group + g] * T.Cast("float32", j - pos)
+                                    score[g, t] = T.if_then_else(tirx.all(lo <= j, j <= pos), score[g, t], NEG)
                             for g in T.serial(group):
                                 m_new[g] = T.max(m[g], buffer_tree(T.max, score, (g,), block_size))
                                 alpha[g] = vector_exp(m[g] - m_new[g])
