@@ -71,6 +71,13 @@ def _sequence_of(seq: T.Buffer, query_start: T.Buffer, num_seqs: T.int32, row: T
             seq[0] = s
 
 
+def _interleaved(slot: tirx.PrimExpr, count: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The item of `count` a parallel loop's slot takes: the first, the last, the second, the second to last... TVM
+    hands each thread an equal run of slots, so each run holds as many early items as late ones: a prompt chunk's
+    causal rows cost in proportion to their position, and in order the last thread would take most of the work."""
+    return T.if_then_else(slot % 2 == 0, slot // 2, count - 1 - slot // 2)
+
+
 def _rows_in_tile(query_start: T.Buffer, seq: T.Buffer, offset: tirx.PrimExpr, tile_rows: int) -> tirx.PrimExpr:
     """Rows of the CPU kernel's prompt tile that holds row `offset` of sequence seq[0]'s new rows (1: a decode row,
     or a chunk's last alone in its tile)."""
@@ -438,7 +445,7 @@ def attention_kernel(
             )
             # each range's output, softmax max and sum (a task's with splits > 1: n x kv_heads x splits <= SPLIT_TASKS)
             partial = T.alloc_buffer((SPLIT_TASKS, group, value_dim + 2), "float32")
-            for task in T.parallel(n * kv_heads * splits):
+            for slot in T.parallel(n * kv_heads * splits):
                 with T.sblock("attention"):
                     T.reads()
                     T.writes()
@@ -451,7 +458,9 @@ def attention_kernel(
                     alpha = T.sblock_alloc_buffer((group,), "float32")
                     part = T.sblock_alloc_buffer((group, block_size, lanes), "float32")
                     total = T.sblock_alloc_buffer((group, block_size), "float32")  # the softmax's sums, by key slot
-                    row: T.let[T.int32] = task // (kv_heads * splits)
+                    # rows interleaved, a row's tasks kept together (its kv heads' keys are neighbours in memory)
+                    row: T.let[T.int32] = _interleaved(slot // (kv_heads * splits), n)
+                    task: T.let[T.int32] = row * kv_heads * splits + slot % (kv_heads * splits)
                     kvh: T.let[T.int32] = task // splits % kv_heads
                     split: T.let[T.int32] = task % splits  # the range of a decode row's keys this task takes
                     _sequence_of(seq, query_start, num_seqs, row)
