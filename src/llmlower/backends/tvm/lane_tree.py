@@ -19,3 +19,8 @@ def tree(op: Callable[[tirx.PrimExpr, tirx.PrimExpr], tirx.PrimExpr], values: Se
 def buffer_tree(op: Callable, buffer: tirx.Buffer, prefix: tuple, count: int) -> tirx.PrimExpr:
     """op over buffer[*prefix, 0:count] (a TIR kernel's call: no comprehensions in TVMScript)."""
     return tree(op, [buffer[(*prefix, i)] for i in range(count)])
+
+
+def lane_sum(vector: tirx.PrimExpr, dtype: str) -> tirx.PrimExpr:
+    """The lanes of an integer vector of `dtype` elements summed, as LLVM reduces them (halves added in turn)."""
+    return tirx.call_llvm_pure_intrin(dtype, "llvm.vector.reduce.add", vector)

@@ -16,14 +16,13 @@ keeps the vector path if refused."""
 from __future__ import annotations
 
 import math
-import operator
 from typing import NamedTuple
 
 from tvm import DataType, tirx
 from tvm.script import tirx as T
 
 from .int8_rounding import group_max_macro, inverse_scale
-from .lane_tree import buffer_tree
+from .lane_tree import lane_sum
 from .prefetch import LINE_BYTES, prefetch
 
 TILE_ROWS = 16  # rows of every tile: weight rows of A, x rows of B (as 4-byte lanes), both of C
@@ -114,7 +113,10 @@ def amx_macros(
         u // (2 * stream_bytes) * stream_bytes + u % stream_bytes + window * (u // stream_bytes % 2)
         for u in range(2 * window)
     ]
-    side_by_side = math.gcd(stream_bytes, 4)  # x's features rounded at once: adjacent bytes of a tile row
+    chunk_bytes = math.gcd(stream_bytes, 16)  # each stream's bytes of x rounded at once
+    chunk = chunk_bytes * streams  # features of x rounded at once: one vector (two for 4-bit weights)
+    side_by_side = math.gcd(chunk_bytes, 4)  # bytes stored at once: adjacent bytes of a tile row
+    to_stream_order = [m * streams + s for s in range(streams) for m in range(chunk_bytes)]
 
     @T.macro
     def round_row_to_tiles(k, i, rows, b):  # row i of x rounded per group into its tile, its scales and sums per group
@@ -127,24 +129,24 @@ def amx_macros(
                 with T.sblock("round_group"):
                     T.reads()
                     T.writes()
-                    rounded = T.sblock_alloc_buffer((side_by_side,), "int8")
-                    sums = T.sblock_alloc_buffer((side_by_side,), "float32")  # in registers, by lanes
+                    rounded = T.sblock_alloc_buffer((chunk,), "int8")  # a chunk's, in stream order
+                    sums = T.sblock_alloc_buffer((chunk,), "int32")  # in registers, by lanes
                     group_max(k, i, b, g)
                     inverse: T.let[T.float32] = inverse_scale(k.x_max[i])
                     k.x_scale_t[g, i] = k.x_max[i] / T.float32(127)
-                    for lane in T.vectorized(side_by_side):
-                        sums[lane] = T.float32(0)
-                    for s in T.serial(streams):
-                        for j in T.serial(stream_bytes // side_by_side):
-                            for lane in T.vectorized(side_by_side):
-                                feature = T.meta_var(g * group + (j * side_by_side + lane) * streams + s)
-                                rounded[lane] = T.Cast("int8", T.nearbyint(k.x[i // b, i % b, feature] * inverse))
-                            for lane in T.vectorized(side_by_side):
-                                p = T.meta_var(g * group + s * stream_bytes + j * side_by_side + lane)
-                                k.x_tiles[tile_position(shape, in_features, p, i)] = rounded[lane]
-                                sums[lane] += T.Cast("float32", rounded[lane])
+                    sums[T.ramp(0, 1, chunk)] = T.broadcast(T.int32(0), chunk)
+                    for c in T.serial(group // chunk):
+                        values = T.meta_var(k.x[i // b, i % b, T.ramp(g * group + c * chunk, 1, chunk)])
+                        scaled = T.meta_var(T.Cast(f"int8x{chunk}", T.nearbyint(values * T.broadcast(inverse, chunk))))
+                        rounded[T.ramp(0, 1, chunk)] = T.Shuffle([scaled], to_stream_order)
+                        sums[T.ramp(0, 1, chunk)] += T.Cast(f"int32x{chunk}", rounded[T.ramp(0, 1, chunk)])
+                        for s, j in T.grid(streams, chunk_bytes // side_by_side):
+                            p = T.meta_var(g * group + s * stream_bytes + c * chunk_bytes + j * side_by_side)
+                            at = T.meta_var(T.ramp(s * chunk_bytes + j * side_by_side, 1, side_by_side))
+                            k.x_tiles[T.ramp(tile_position(shape, in_features, p, i), 1, side_by_side)] = rounded[at]
                     # what a zero point of 1 takes off the group
-                    k.x_sums_t[g, i] = buffer_tree(operator.add, sums, (), side_by_side) * k.x_scale_t[g, i]
+                    total = T.meta_var(lane_sum(sums[T.ramp(0, 1, chunk)], "int32"))
+                    k.x_sums_t[g, i] = T.Cast("float32", total) * k.x_scale_t[g, i]
 
     @T.macro
     def configure(config):  # palette 1: two of each, C 16 rows of 16 int32, A 16 rows of `depth` bytes, B depth / 4

@@ -276,8 +276,9 @@ def int8_kernel(
                     padded_rows = T.meta_var(x_tile_pairs(a * b) * TILE_ROWS)
                     x_pairs = T.sblock_alloc_buffer((padded_rows * (in_features // 2),), "uint32")
                     k = T.meta_var(operands._replace(x_pairs=x_pairs))
-                    for i in T.parallel(padded_rows):
-                        pairs_of_row(k, i, a * b, b)
+                    for t in T.parallel(x_tile_pairs(a * b)):  # a tile's rows in one thread, as below
+                        for r in T.serial(TILE_ROWS):
+                            pairs_of_row(k, t * TILE_ROWS + r, a * b, b)
                     for task in T.parallel(out_features // bf16_task):
                         bf16_weight_rows(k, task, a * b, b)
             elif amx is not None and T.if_then_else(a * b >= MIN_ROWS, tiles_granted(), False):
@@ -289,8 +290,11 @@ def int8_kernel(
                     x_scale_t = T.sblock_alloc_buffer((groups, padded_rows), "float32")
                     x_sums_t = T.sblock_alloc_buffer((groups, padded_rows), "float32")
                     k = T.meta_var(operands._replace(x_tiles=x_tiles, x_scale_t=x_scale_t, x_sums_t=x_sums_t))
-                    for i in T.parallel(padded_rows):
-                        round_row_to_tiles(k, i, a * b, b)
+                    # a tile's rows in one thread: they share each of its cache lines, 4 bytes each (split between
+                    # threads, every line of a step's one tile went back and forth between the cores)
+                    for t in T.parallel(tiles_of(a * b)):
+                        for r in T.serial(TILE_ROWS):
+                            round_row_to_tiles(k, t * TILE_ROWS + r, a * b, b)
                     for task in T.parallel(out_features // TILE_ROWS):
                         amx_weight_rows(k, task, a * b, b)
             elif in_float and a * b >= MADDUBS_FLOAT_ROWS[bits]:
