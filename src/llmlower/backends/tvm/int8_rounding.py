@@ -13,12 +13,13 @@ from .lane_tree import buffer_tree
 
 
 def group_max_macro(group: int):
-    """A macro group_max(k, i, b, g): k.x_max[i] = max |x| over group g of row i of x [a, b, K], in vector lanes
-    (a running maximum in memory would wait on each store)."""
+    """A macro group_max(k, i, b, g, largest): largest[0] = max |x| over group g of row i of x [a, b, K], in vector
+    lanes (a running maximum in memory would wait on each store); `largest` is the caller's local (a buffer shared
+    by rows would bounce between the threads that round them)."""
     lanes = math.gcd(group, 16)
 
     @T.macro
-    def group_max(k, i, b, g):
+    def group_max(k, i, b, g, largest):
         with T.sblock("group_max"):
             T.reads()
             T.writes()
@@ -28,7 +29,7 @@ def group_max_macro(group: int):
             for j in T.serial(group // lanes):
                 for lane in T.vectorized(lanes):
                     lane_max[lane] = T.max(lane_max[lane], T.fabs(k.x[i // b, i % b, g * group + j * lanes + lane]))
-            k.x_max[i] = buffer_tree(T.max, lane_max, (), lanes)
+            largest[0] = buffer_tree(T.max, lane_max, (), lanes)
 
     return group_max
 

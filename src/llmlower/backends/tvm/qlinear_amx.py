@@ -131,9 +131,10 @@ def amx_macros(
                     T.writes()
                     rounded = T.sblock_alloc_buffer((chunk,), "int8")  # a chunk's, in stream order
                     sums = T.sblock_alloc_buffer((chunk,), "int32")  # in registers, by lanes
-                    group_max(k, i, b, g)
-                    inverse: T.let[T.float32] = inverse_scale(k.x_max[i])
-                    k.x_scale_t[g, i] = k.x_max[i] / T.float32(127)
+                    largest = T.sblock_alloc_buffer((1,), "float32")
+                    group_max(k, i, b, g, largest)
+                    inverse: T.let[T.float32] = inverse_scale(largest[0])
+                    k.x_scale_t[g, i] = largest[0] / T.float32(127)
                     sums[T.ramp(0, 1, chunk)] = T.broadcast(T.int32(0), chunk)
                     for c in T.serial(group // chunk):
                         values = T.meta_var(k.x[i // b, i % b, T.ramp(g * group + c * chunk, 1, chunk)])

@@ -90,7 +90,6 @@ class Operands(NamedTuple):
     zeros: tirx.Buffer
     bias: tirx.Buffer
     out: tirx.Buffer
-    x_max: tirx.Buffer  # [rows]
     x_even: tirx.Buffer | None = None  # int8 [rows, ...]: x rounded (4-bit weights: each group's even features)
     x_odd: tirx.Buffer | None = None  # 4-bit weights: the odd features (high nibbles)
     x_scale: tirx.Buffer | None = None  # [rows, groups * group lanes]: each group's scale, in every lane it takes
@@ -185,27 +184,32 @@ def int8_kernel(
     @T.macro
     def round_row(k, i, b):  # row i of x rounded per group, with its scales and sums spread over the lanes
         for g in T.serial(groups):
-            group_max(k, i, b, g)
-            inverse: T.let[T.float32] = inverse_scale(k.x_max[i])
-            if bits == 4:
-                for j in T.serial(half):
-                    k.x_even[i, g * half + j] = T.Cast(
-                        "int8", T.nearbyint(k.x[i // b, i % b, g * group + 2 * j] * inverse)
-                    )
-                    k.x_odd[i, g * half + j] = T.Cast(
-                        "int8", T.nearbyint(k.x[i // b, i % b, g * group + 2 * j + 1] * inverse)
-                    )
-            else:
-                for j in T.serial(group):
-                    k.x_even[i, g * group + j] = T.Cast(
-                        "int8", T.nearbyint(k.x[i // b, i % b, g * group + j] * inverse)
-                    )
-            for lane in T.serial(group_lanes):
-                k.x_scale[i, g * group_lanes + lane] = k.x_max[i] / T.float32(127)
-                k.x_sums[i, g * group_lanes + lane] = T.float32(0)
-                for c in T.serial(vectors):
-                    for j in T.serial(4):
-                        k.x_sums[i, g * group_lanes + lane] += rounded_x(k, i, g * per_group + c * span + lane * 4 + j)
+            with T.sblock("round_group"):
+                T.reads()
+                T.writes()
+                largest = T.sblock_alloc_buffer((1,), "float32")
+                group_max(k, i, b, g, largest)
+                inverse: T.let[T.float32] = inverse_scale(largest[0])
+                if bits == 4:
+                    for j in T.serial(half):
+                        k.x_even[i, g * half + j] = T.Cast(
+                            "int8", T.nearbyint(k.x[i // b, i % b, g * group + 2 * j] * inverse)
+                        )
+                        k.x_odd[i, g * half + j] = T.Cast(
+                            "int8", T.nearbyint(k.x[i // b, i % b, g * group + 2 * j + 1] * inverse)
+                        )
+                else:
+                    for j in T.serial(group):
+                        k.x_even[i, g * group + j] = T.Cast(
+                            "int8", T.nearbyint(k.x[i // b, i % b, g * group + j] * inverse)
+                        )
+                for lane in T.serial(group_lanes):
+                    k.x_scale[i, g * group_lanes + lane] = largest[0] / T.float32(127)
+                    k.x_sums[i, g * group_lanes + lane] = T.float32(0)
+                    for c in T.serial(vectors):
+                        for j in T.serial(4):
+                            at = T.meta_var(g * per_group + c * span + lane * 4 + j)
+                            k.x_sums[i, g * group_lanes + lane] += rounded_x(k, i, at)
 
     @T.macro
     def rows_of(k, acc, dots, n, first, b, rows):  # out[first .. first + rows, n]
@@ -266,8 +270,7 @@ def int8_kernel(
         with T.sblock("root"):
             T.reads()
             T.writes()
-            x_max = T.sblock_alloc_buffer((a * b,), "float32")
-            operands = T.meta_var(Operands(x, weight, scales, zero_buffer, bias_buffer, out, x_max))
+            operands = T.meta_var(Operands(x, weight, scales, zero_buffer, bias_buffer, out))
             # many rows on AMX tiles; the syscall only where they would be taken (decode's one row never makes it)
             if in_bf16 and T.if_then_else(a * b >= BF16_MIN_ROWS, tiles_granted(), False):
                 with T.sblock("amx_bf16"):
