@@ -234,11 +234,13 @@ class TvmExecutor(Executor):
             self._copy_blocks(*pools, *indices)  # in place: the returned pools are these tensors
 
     def _run(self, packed: PackedBatch) -> np.ndarray:
-        """Run the step function on a packed batch; returns the program's logits."""
+        """Run the step function on a packed batch; returns the program's logits: on the CPU a view of the step's
+        output tensor, which it keeps alive (copying 16 streams' logits, 3 MB, took a third of a millisecond)."""
         self._configure_pool()
         values = step_arrays(packed)
         args = [self.pools[name] if name in self.pools else self._input(values[name]) for name in self.inputs]
-        return self._step(*args, *self.params).numpy()
+        logits = self._step(*args, *self.params)
+        return np.from_dlpack(logits) if self.on_cpu else logits.numpy()
 
     def _input(self, array: np.ndarray) -> tvm.runtime.Tensor:
         """A step input on the device; on the CPU a view of the array itself (about 1 us, where copying it into a
