@@ -564,14 +564,17 @@ def attention_kernel(
                             first: T.let[T.int32] = past_lens[seq[0]] + offset  # the tile's first position
                             last: T.let[T.int32] = first + rows - 1
                             lo_t: T.let[T.int32] = T.max(first - window + 1, 0) if window > 0 else 0
-                            for d, v in T.grid(key_dim, queries):  # q transposed: a key's value scales every query
-                                qt[d, v] = T.float32(0.0)
-                                if v // group < rows:
-                                    qt[d, v] = (
-                                        T.Cast("float32", q[row + v // group, kvh * group + v % group, d]) * scale
-                                    )
-                                    if quantized:
-                                        qt[d, v] = qt[d, v] * k_scale[kvh, d]
+                            for v in T.serial(queries):  # q transposed: a key's value scales every query
+                                if v // group < rows:  # each query's row of q read whole, a vector at a time
+                                    for d in T.vectorized(key_dim):
+                                        qt[d, v] = (
+                                            T.Cast("float32", q[row + v // group, kvh * group + v % group, d]) * scale
+                                        )
+                                        if quantized:
+                                            qt[d, v] = qt[d, v] * k_scale[kvh, d]
+                                else:
+                                    for d in T.vectorized(key_dim):
+                                        qt[d, v] = T.float32(0.0)
                             for v in T.serial(queries):
                                 m_t[v] = sink[kvh * group + v % group] if sinks else T.float32(NEG)
                                 total_t[v] = T.float32(1.0) if sinks else T.float32(0.0)
