@@ -279,7 +279,7 @@ def int8_kernel(
                     padded_rows = T.meta_var(x_tile_pairs(a * b) * TILE_ROWS)
                     x_pairs = T.sblock_alloc_buffer((padded_rows * (in_features // 2),), "uint32")
                     k = T.meta_var(operands._replace(x_pairs=x_pairs))
-                    for t in T.parallel(x_tile_pairs(a * b)):  # a tile's rows in one thread, as below
+                    for t in T.parallel(x_tile_pairs(a * b)):  # a tile's rows in one thread: they share its lines
                         for r in T.serial(TILE_ROWS):
                             pairs_of_row(k, t * TILE_ROWS + r, a * b, b)
                     for task in T.parallel(out_features // bf16_task):
