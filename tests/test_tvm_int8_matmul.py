@@ -29,6 +29,7 @@ x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="
 SCHEMES = {  # --quant name: the scheme and the kernel's kind of zero points
     "q4g32-sym": (QuantScheme(4, 32), "none"),
     "q4g32": (QuantScheme(4, 32, symmetric=False), "float"),
+    "q4g32-zp4": (QuantScheme(4, 32, symmetric=False, packed_zeros=True), "nibbles"),
     "q4g64-zp4": (QuantScheme(4, 64, symmetric=False, packed_zeros=True), "nibbles"),
     "q4g128-sym": (QuantScheme(4, 128), "none"),
     "q8": (QuantScheme(8, 32), "none"),
@@ -134,7 +135,8 @@ def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
     weights unpacked a window at a time) and 37 (with AMX: two tiles of 16 rows and a short one), each row as the
     reference computes it, and off the float kernel by the rounding of x only; without VNNI, calls of
     MADDUBS_FLOAT_ROWS rows or more are the float kernel's, bit for bit. Groups of 32 take 576 features: 18 groups,
-    which 64-byte vectors of four 4-bit groups do not divide."""
+    which 64-byte vectors of four 4-bit groups do not divide (the last two take a 32-byte vector, their packed zero
+    points one byte)."""
     scheme, zeros = SCHEMES[quant]
     in_features = 576 if scheme.group in (0, 32) else 512
     rounded = scheme.group or in_features  # the features x is rounded in: per channel, the whole row

@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 
 from .int8_dot import MADDUBS, Int8Dot, byte_offset, dot_bytes, dot_nibbles
 from .int8_rounding import group_max_macro, inverse_scale
-from .lane_tree import buffer_tree
+from .lane_tree import buffer_tree, tree
 from .paged_kernels import ATTRS
 from .prefetch import prefetch
 from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_granted, tiles_of
@@ -53,13 +53,39 @@ def rounds_activations(bits: int, group: int, int8_dot: Int8Dot | None) -> bool:
     return int8_dot is not None and group * bits // 8 % 16 == 0 and group * 255 * 128 < 2**31
 
 
-def vector_bytes(per_group: int, groups: int, widest: int) -> int:
-    """The widest vector, up to `widest` bytes, that holds a whole number of groups of `per_group` bytes (dividing
-    the row's groups) or a whole fraction of one group."""
-    for width in (64, 32, 16):
-        whole_groups = width % per_group == 0 and groups % (width // per_group) == 0
-        if width <= widest and (per_group % width == 0 or whole_groups):
-            return width
+class Piece(NamedTuple):
+    """A run of a weight row's vectors of one width: `count` vectors of `width` bytes from group `first` on."""
+
+    width: int
+    first: int
+    count: int
+    per_group: int  # bytes of a group
+
+    @property
+    def lanes(self) -> int:  # int32 (and float32) lanes of a vector
+        return self.width // 4
+
+    @property
+    def per_vector(self) -> int:  # groups in a vector (1 where a group takes several)
+        return max(1, self.width // self.per_group)
+
+    @property
+    def vectors(self) -> int:  # vectors a group takes
+        return max(1, self.per_group // self.width)
+
+
+def vector_pieces(per_group: int, groups: int, widest: int) -> list[Piece]:
+    """A row's groups of `per_group` bytes in the widest vectors, up to `widest` bytes, that hold whole groups or a
+    whole fraction of one, and the groups those leave in narrower ones: SmolLM2's 576 features in 4-bit groups of
+    32 are four 64-byte vectors of four groups and a 32-byte one of two, where one width for the row took 32 bytes."""
+    for width in (w for w in (64, 32, 16) if w <= widest):
+        if per_group % width == 0:
+            return [Piece(width, 0, groups, per_group)]
+        if width % per_group == 0 and groups >= width // per_group:
+            whole = groups // (width // per_group) * (width // per_group)
+            rest = vector_pieces(per_group, groups - whole, width // 2) if whole < groups else []
+            head = Piece(width, 0, whole // (width // per_group), per_group)
+            return [head] + [piece._replace(first=piece.first + whole) for piece in rest]
     raise ValueError(f"groups of {per_group} bytes: not a multiple of 16")
 
 
@@ -116,14 +142,11 @@ def int8_kernel(
     more where the instruction is pmaddubsw."""
     groups = in_features // group
     per_group = group * bits // 8  # bytes
-    width = vector_bytes(per_group, groups, int8_dot.widest)
-    span = min(per_group, width)  # bytes of one group in a vector
+    pieces = vector_pieces(per_group, groups, int8_dot.widest)
+    span = min(per_group, pieces[0].width)  # bytes of one group in a vector
     group_lanes = span // 4  # int32 lanes a group takes
-    per_vector = max(1, width // per_group)  # groups in a vector
-    vectors = per_group // span  # vectors a group takes
-    lanes = width // 4
-    lane_type = f"float32x{lanes}"
-    offset = byte_offset(int8_dot.kind, width) if bits == 8 else 0  # what the dots take from each weight byte
+    vectors = pieces[0].vectors
+    lanes = pieces[0].lanes  # of the accumulators: a narrower piece adds into their first lanes
     task_rows = next(r for r in (64, 32, 16, 8, 4, 2, 1) if out_features % r == 0)  # weight rows a thread takes
     half = group // 2
     group_max = group_max_macro(group)
@@ -151,32 +174,45 @@ def int8_kernel(
             return T.Cast("float32", k.x_even[i, at]) + T.Cast("float32", k.x_odd[i, at])
         return T.Cast("float32", k.x_even[i, at])
 
-    def weight_dot(acc, weights, k, i, at):  # acc + a vector of weight bytes against row i's x from byte `at`
+    def weight_dot(acc, weights, k, i, at, width):  # acc + a vector of weight bytes against row i's x from byte `at`
         x_bytes = T.ramp(at, 1, width)
         if bits == 8:
             return dot_bytes(int8_dot.kind, acc, weights, k.x_even[i, x_bytes], width)
         return dot_nibbles(int8_dot.kind, acc, weights, k.x_even[i, x_bytes], k.x_odd[i, x_bytes], width)
 
-    def spread(values):  # a vector's groups' values (scalars, one per group) over the lanes each group takes
-        if per_vector == 1:
-            return T.broadcast(values[0], lanes)
-        return T.Shuffle([T.broadcast(value, group_lanes) for value in values], list(range(lanes)))
+    def spread(values, piece):  # a vector's groups' values (one per group) over the lanes each group takes
+        if piece.per_vector == 1:
+            return T.broadcast(values[0], piece.lanes)
+        return T.Shuffle([T.broadcast(value, group_lanes) for value in values], list(range(piece.lanes)))
 
-    def loaded_lanes(buffer, n, s):  # float values [N, groups] of the groups in vector s of row n: one load, spread
-        if per_vector == 1:
-            return T.broadcast(T.Cast("float32", buffer[n, s]), lanes)
-        loaded = T.Cast(f"float32x{per_vector}", buffer[n, T.ramp(s * per_vector, 1, per_vector)])
+    def loaded_lanes(buffer, n, g, piece):  # float values [N, groups] of the vector's groups from g: one load, spread
+        if piece.per_vector == 1:
+            return T.broadcast(T.Cast("float32", buffer[n, g]), piece.lanes)
+        per_vector = piece.per_vector
+        loaded = T.Cast(f"float32x{per_vector}", buffer[n, T.ramp(g, 1, per_vector)])
         # TVM's Shuffle yields at most its operands' lanes: the loaded vector repeated, its first copy's lanes taken
         return T.Shuffle([loaded] * group_lanes, [q for q in range(per_vector) for _ in range(group_lanes)])
 
-    def zero_lanes(k, n, s):  # the zero points of the groups in vector s of row n, over their lanes, less the offset
+    def nibble_lanes(k, n, g, piece):  # packed zero points of the vector's groups from g (even): shifted in the lanes
+        packed = tree(
+            operator.or_,
+            [T.Cast("int32", k.zeros[n, g // 2 + j]) << T.int32(8 * j) for j in range(piece.per_vector // 2)],
+        )
+        shifts = spread([T.int32(4 * q) for q in range(piece.per_vector)], piece)
+        nibbles = (T.broadcast(packed, piece.lanes) >> shifts) & T.broadcast(T.int32(15), piece.lanes)
+        return T.Cast(f"float32x{piece.lanes}", nibbles)
+
+    def zero_lanes(k, n, g, piece):  # the zero points of the vector's groups from g, over their lanes, less the offset
         if zeros == "none":  # the dots take from each weight byte
-            points = T.broadcast(zero_point(zeros, bits, k.zeros, n, 0), lanes)
+            points = T.broadcast(zero_point(zeros, bits, k.zeros, n, 0), piece.lanes)
         elif zeros == "float":
-            points = loaded_lanes(k.zeros, n, s)
+            points = loaded_lanes(k.zeros, n, g, piece)
+        elif piece.per_vector > 1:
+            points = nibble_lanes(k, n, g, piece)
         else:
-            points = spread([zero_point(zeros, bits, k.zeros, n, s * per_vector + q) for q in range(per_vector)])
-        return points - T.broadcast(T.float32(offset), lanes) if offset else points
+            points = T.broadcast(zero_point(zeros, bits, k.zeros, n, g), piece.lanes)
+        offset = byte_offset(int8_dot.kind, piece.width) if bits == 8 else 0  # what the dots take from each byte
+        return points - T.broadcast(T.float32(offset), piece.lanes) if offset else points
 
     def lane_total(k, acc, r, n):  # row r's lanes summed, plus the bias
         return buffer_tree(operator.add, acc, (r,), lanes) + (k.bias[n] if bias else T.float32(0))
@@ -212,27 +248,40 @@ def int8_kernel(
                             k.x_sums[i, g * group_lanes + lane] += rounded_x(k, i, at)
 
     @T.macro
+    def piece_of(k, acc, dots, n, first, rows, piece):  # the groups of one piece of row n's vectors, into acc
+        for s in T.serial(piece.count):
+            g = T.meta_var(piece.first + s * piece.per_vector)  # the vector's first group
+            for r in T.unroll(rows):
+                dots[r, T.ramp(0, 1, piece.lanes)] = T.broadcast(T.int32(0), piece.lanes)
+            for c in T.unroll(piece.vectors):
+                at = T.meta_var(piece.first * per_group + s * piece.width * piece.vectors + c * piece.width)
+                T.evaluate(prefetch(k.weight[n, at + STREAM_AHEAD]))
+                for r in T.unroll(rows):  # each weight vector read once for the rows
+                    dots[r, T.ramp(0, 1, piece.lanes)] = weight_dot(
+                        dots[r, T.ramp(0, 1, piece.lanes)],
+                        k.weight[n, T.ramp(at, 1, piece.width)],
+                        k,
+                        first + r,
+                        at,
+                        piece.width,
+                    )
+            for r in T.unroll(rows):
+                acc[r, T.ramp(0, 1, piece.lanes)] += (
+                    T.Cast(f"float32x{piece.lanes}", dots[r, T.ramp(0, 1, piece.lanes)])
+                    - zero_lanes(k, n, g, piece) * k.x_sums[first + r, T.ramp(g * group_lanes, 1, piece.lanes)]
+                ) * (
+                    loaded_lanes(k.scales, n, g, piece) * k.x_scale[first + r, T.ramp(g * group_lanes, 1, piece.lanes)]
+                )
+
+    @T.macro
     def rows_of(k, acc, dots, n, first, b, rows):  # out[first .. first + rows, n]
         for r in T.unroll(rows):
             acc[r, T.ramp(0, 1, lanes)] = T.broadcast(T.float32(0), lanes)
-        for s in T.serial(groups // per_vector):  # a vector's groups at a time
-            for r in T.unroll(rows):
-                dots[r, T.ramp(0, 1, lanes)] = T.broadcast(T.int32(0), lanes)
-            for c in T.unroll(vectors):
-                T.evaluate(prefetch(k.weight[n, s * width * vectors + c * width + STREAM_AHEAD]))
-                for r in T.unroll(rows):  # each weight vector read once for the rows
-                    dots[r, T.ramp(0, 1, lanes)] = weight_dot(
-                        dots[r, T.ramp(0, 1, lanes)],
-                        k.weight[n, T.ramp(s * width * vectors + c * width, 1, width)],
-                        k,
-                        first + r,
-                        s * width * vectors + c * width,
-                    )
-            for r in T.unroll(rows):
-                acc[r, T.ramp(0, 1, lanes)] += (
-                    T.Cast(lane_type, dots[r, T.ramp(0, 1, lanes)])
-                    - zero_lanes(k, n, s) * k.x_sums[first + r, T.ramp(s * lanes, 1, lanes)]
-                ) * (loaded_lanes(k.scales, n, s) * k.x_scale[first + r, T.ramp(s * lanes, 1, lanes)])
+        piece_of(k, acc, dots, n, first, rows, pieces[0])
+        if len(pieces) > 1:
+            piece_of(k, acc, dots, n, first, rows, pieces[1])
+        if len(pieces) > 2:
+            piece_of(k, acc, dots, n, first, rows, pieces[2])
         for r in T.unroll(rows):
             k.out[(first + r) // b, (first + r) % b, n] = lane_total(k, acc, r, n)
 
