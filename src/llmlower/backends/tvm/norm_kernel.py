@@ -17,6 +17,7 @@ from tvm.script import tirx as T
 from .cpu_schedule import LANES
 from .lane_tree import buffer_tree
 from .paged_kernels import ATTRS
+from .row_loop import over_rows
 
 
 def takes(x: relax.Expr, residual: relax.Expr, weight: relax.Expr) -> bool:
@@ -44,6 +45,29 @@ def takes(x: relax.Expr, residual: relax.Expr, weight: relax.Expr) -> bool:
 def add_rms_norm_kernel(hidden: int, eps: float) -> tirx.PrimFunc:
     """(normed, total) [a, b, hidden] = (rms_norm(x + residual) * weight, x + residual), float32."""
 
+    @T.macro
+    def normed_row(i, x, residual, weight, normed, total, b):  # row i of both outputs
+        with T.sblock("row"):
+            T.reads()
+            T.writes()
+            squares = T.sblock_alloc_buffer((LANES,), "float32")
+            for lane in T.vectorized(LANES):
+                squares[lane] = T.float32(0)
+            for c in T.serial(hidden // LANES):
+                for lane in T.vectorized(LANES):
+                    total[i // b, i % b, c * LANES + lane] = (
+                        x[i // b, i % b, c * LANES + lane] + residual[i // b, i % b, c * LANES + lane]
+                    )
+                    squares[lane] += total[i // b, i % b, c * LANES + lane] * total[i // b, i % b, c * LANES + lane]
+            inverse: T.let[T.float32] = T.rsqrt(
+                buffer_tree(operator.add, squares, (), LANES) / T.float32(hidden) + T.float32(eps)
+            )
+            for c in T.serial(hidden // LANES):
+                for lane in T.vectorized(LANES):
+                    normed[i // b, i % b, c * LANES + lane] = (
+                        total[i // b, i % b, c * LANES + lane] * inverse * weight[c * LANES + lane]
+                    )
+
     @T.prim_func(s_tir=True, private=True)
     def add_rms_norm(x_h: T.handle, r_h: T.handle, w_h: T.handle, normed_h: T.handle, total_h: T.handle):
         T.func_attr(ATTRS)
@@ -56,29 +80,7 @@ def add_rms_norm_kernel(hidden: int, eps: float) -> tirx.PrimFunc:
         with T.sblock("root"):
             T.reads()
             T.writes()
-            for i in T.parallel(a * b):
-                with T.sblock("row"):
-                    T.reads()
-                    T.writes()
-                    squares = T.sblock_alloc_buffer((LANES,), "float32")
-                    for lane in T.vectorized(LANES):
-                        squares[lane] = T.float32(0)
-                    for c in T.serial(hidden // LANES):
-                        for lane in T.vectorized(LANES):
-                            total[i // b, i % b, c * LANES + lane] = (
-                                x[i // b, i % b, c * LANES + lane] + residual[i // b, i % b, c * LANES + lane]
-                            )
-                            squares[lane] += (
-                                total[i // b, i % b, c * LANES + lane] * total[i // b, i % b, c * LANES + lane]
-                            )
-                    inverse: T.let[T.float32] = T.rsqrt(
-                        buffer_tree(operator.add, squares, (), LANES) / T.float32(hidden) + T.float32(eps)
-                    )
-                    for c in T.serial(hidden // LANES):
-                        for lane in T.vectorized(LANES):
-                            normed[i // b, i % b, c * LANES + lane] = (
-                                total[i // b, i % b, c * LANES + lane] * inverse * weight[c * LANES + lane]
-                            )
+            over_rows(a * b, normed_row, (x, residual, weight, normed, total, b))
 
     return add_rms_norm
 

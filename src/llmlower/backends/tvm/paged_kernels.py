@@ -34,6 +34,7 @@ from tvm.target import Target
 from .cpu_schedule import LANES, float_lanes  # LANES: float32 partial sums per dot product on CPU (one AVX2 register)
 from .lane_tree import buffer_tree
 from .prefetch import LINE_BYTES, prefetch
+from .row_loop import over_rows
 
 NEG = -1e30  # a finite minus infinity: exp(NEG - m) is 0 and NEG - NEG is no NaN
 CUDA_THREADS = 64  # threads per CUDA thread block (and positions per attention tile)
@@ -200,6 +201,27 @@ def append_kernel(
     pool_dtype = pool_dtype or dtype
     quantized = _quantized(pool_dtype, target_kind)
 
+    @T.macro
+    def appended_row(row, k_pool, v_pool, k, v, block_tables, past_lens, query_start, num_seqs, k_scale, v_scale):
+        with T.sblock("append"):
+            T.reads()
+            T.writes()
+            seq = T.sblock_alloc_buffer((1,), "int32")
+            _sequence_of(seq, query_start, num_seqs, row)
+            pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
+            block: T.let[T.int32] = block_tables[seq[0], pos // block_size]
+            for h in T.serial(kv_heads):
+                if quantized:
+                    for d in T.serial(head_dim):
+                        k_pool[block, pos % block_size, h, d] = _to_int8(k[row, h, d], k_scale[h, d])
+                    for d in T.serial(dv):
+                        v_pool[block, pos % block_size, h, d] = _to_int8(v[row, h, d], v_scale[h, d])
+                else:
+                    for d in T.vectorized(head_dim):
+                        k_pool[block, pos % block_size, h, d] = T.Cast(pool_dtype, k[row, h, d])
+                    for d in T.vectorized(dv):
+                        v_pool[block, pos % block_size, h, d] = T.Cast(pool_dtype, v[row, h, d])
+
     @T.prim_func(s_tir=True, private=True)
     def paged_append(
         k_pool_h: T.handle,
@@ -244,25 +266,11 @@ def append_kernel(
                                     pool_dtype, v[row, e // dv, e % dv]
                                 )
         else:
-            for row in T.parallel(n):
-                with T.sblock("append"):
-                    T.reads()
-                    T.writes()
-                    seq = T.sblock_alloc_buffer((1,), "int32")
-                    _sequence_of(seq, query_start, num_seqs, row)
-                    pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
-                    block: T.let[T.int32] = block_tables[seq[0], pos // block_size]
-                    for h in T.serial(kv_heads):
-                        if quantized:
-                            for d in T.serial(head_dim):
-                                k_pool[block, pos % block_size, h, d] = _to_int8(k[row, h, d], k_scale[h, d])
-                            for d in T.serial(dv):
-                                v_pool[block, pos % block_size, h, d] = _to_int8(v[row, h, d], v_scale[h, d])
-                        else:
-                            for d in T.vectorized(head_dim):
-                                k_pool[block, pos % block_size, h, d] = T.Cast(pool_dtype, k[row, h, d])
-                            for d in T.vectorized(dv):
-                                v_pool[block, pos % block_size, h, d] = T.Cast(pool_dtype, v[row, h, d])
+            over_rows(
+                n,
+                appended_row,
+                (k_pool, v_pool, k, v, block_tables, past_lens, query_start, num_seqs, k_scale, v_scale),
+            )
 
     return paged_append
 

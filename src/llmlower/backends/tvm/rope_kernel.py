@@ -14,6 +14,7 @@ from tvm import relax, tirx
 from tvm.script import tirx as T
 
 from .paged_kernels import ATTRS
+from .row_loop import over_rows
 
 
 def takes(qkv: relax.Expr, cos_table: relax.Expr, sin_table: relax.Expr, head_dim: int) -> bool:
@@ -50,6 +51,16 @@ def rotated_qkv_kernel(heads: int, kv_heads: int, head_dim: int, value_head_dim:
                 qkv[0, t, (first + head) * head_dim + j] * sin[at, j]
             )
 
+    @T.macro
+    def rotated_token(t, qkv, position_ids, cos, sin, q, k, v):  # token t's q, k (rotated) and v
+        at: T.let[T.int64] = T.max(T.min(position_ids[0, t], T.int64(positions - 1)), T.int64(0))
+        for h in T.serial(heads):
+            rotate(qkv, cos, sin, q, t, h, 0, at)
+        for h in T.serial(kv_heads):
+            rotate(qkv, cos, sin, k, t, h, heads, at)
+            for j in T.serial(value_head_dim):
+                v[t, h, j] = qkv[0, t, (heads + kv_heads) * head_dim + h * value_head_dim + j]
+
     @T.prim_func(s_tir=True, private=True)
     def rotated_qkv(
         qkv_h: T.handle, p_h: T.handle, c_h: T.handle, s_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle
@@ -66,14 +77,7 @@ def rotated_qkv_kernel(heads: int, kv_heads: int, head_dim: int, value_head_dim:
         with T.sblock("root"):
             T.reads()
             T.writes()
-            for t in T.parallel(n):
-                at: T.let[T.int64] = T.max(T.min(position_ids[0, t], T.int64(positions - 1)), T.int64(0))
-                for h in T.serial(heads):
-                    rotate(qkv, cos, sin, q, t, h, 0, at)
-                for h in T.serial(kv_heads):
-                    rotate(qkv, cos, sin, k, t, h, heads, at)
-                    for j in T.serial(value_head_dim):
-                        v[t, h, j] = qkv[0, t, (heads + kv_heads) * head_dim + h * value_head_dim + j]
+            over_rows(n, rotated_token, (qkv, position_ids, cos, sin, q, k, v))
 
     return rotated_qkv
 

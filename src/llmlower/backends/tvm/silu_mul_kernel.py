@@ -11,6 +11,7 @@ from tvm.script import tirx as T
 
 from .cpu_schedule import LANES
 from .paged_kernels import ATTRS, vector_exp
+from .row_loop import over_rows
 
 
 def takes(x: relax.Expr) -> bool:
@@ -24,6 +25,16 @@ def takes(x: relax.Expr) -> bool:
 def silu_mul_kernel(width: int) -> tirx.PrimFunc:
     """out [a, b, width] = silu(x[..., :width]) * x[..., width:] for x [a, b, 2 * width], float32."""
 
+    @T.macro
+    def gated_row(i, x, out, b):  # row i of out
+        for c in T.serial(width // LANES):
+            for lane in T.vectorized(LANES):
+                out[i // b, i % b, c * LANES + lane] = (
+                    x[i // b, i % b, c * LANES + lane]
+                    / (T.float32(1) + vector_exp(-x[i // b, i % b, c * LANES + lane]))
+                    * x[i // b, i % b, width + c * LANES + lane]
+                )
+
     @T.prim_func(s_tir=True, private=True)
     def silu_mul(x_h: T.handle, out_h: T.handle):
         T.func_attr(ATTRS)
@@ -33,14 +44,7 @@ def silu_mul_kernel(width: int) -> tirx.PrimFunc:
         with T.sblock("root"):
             T.reads()
             T.writes()
-            for i in T.parallel(a * b):
-                for c in T.serial(width // LANES):
-                    for lane in T.vectorized(LANES):
-                        out[i // b, i % b, c * LANES + lane] = (
-                            x[i // b, i % b, c * LANES + lane]
-                            / (T.float32(1) + vector_exp(-x[i // b, i % b, c * LANES + lane]))
-                            * x[i // b, i % b, width + c * LANES + lane]
-                        )
+            over_rows(a * b, gated_row, (x, out, b))
 
     return silu_mul
 
