@@ -56,7 +56,8 @@ from llmlower.spec import ModelSpec
 
 PEERS = Path(__file__).parent / "peers"
 # The "q4g32-sym int4 head" row reads what onnxruntime-genai's int4 model reads per token (symmetric int4, int4 LM
-# head): the same bytes, at its perplexity cost; "q4g32-sym awq" is symmetric int4 with activation-aware scales.
+# head): the same bytes, at its perplexity cost; "q4g32-sym awq" is symmetric int4 with activation-aware scales;
+# "q4mix-a8 gptq f16 scales" is the batch-1 recipe within 5% of fp32's perplexity on a held-out text.
 ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline options)
     "onnx fp32": ("none", "onnx", {}),
     "onnx q8": ("q8", "onnx", {"quant": "q8"}),
@@ -69,6 +70,11 @@ ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline op
     "tvm q4g32": ("tvm-q4g32", "tvm", {"quant": "q4g32"}),
     "tvm q4mix": ("tvm-q4mix", "tvm", {"quant": "q4mix"}),
     "tvm q4mix-a8": ("tvm-q4mix-a8", "tvm", {"quant": "q4mix-a8"}),
+    "tvm q4mix-a8 gptq f16 scales": (
+        "tvm-q4mix-a8-gptq-f16",
+        "tvm",
+        {"quant": "q4mix-a8", "gptq": True, "scale_dtype": "float16"},
+    ),
     "tvm q4g32-sym int4 head": ("tvm-q4g32-sym-head4", "tvm", {"quant": "q4g32-sym", "lm_head_bits": 4}),
     "tvm q4g32-sym int4 head f16 scales": (
         "tvm-q4g32-sym-head4-f16",
