@@ -277,6 +277,7 @@ def int8_kernel(
     def rows_of(k, acc, dots, n, first, b, rows):  # out[first .. first + rows, n]
         for r in T.unroll(rows):
             acc[r, T.ramp(0, 1, lanes)] = T.broadcast(T.float32(0), lanes)
+        # vector_pieces gives a piece a width, so at most three (TVMScript has no loop over Python values)
         piece_of(k, acc, dots, n, first, rows, pieces[0])
         if len(pieces) > 1:
             piece_of(k, acc, dots, n, first, rows, pieces[1])
