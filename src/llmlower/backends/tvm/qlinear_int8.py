@@ -35,6 +35,11 @@ from .qlinear_amx_bf16 import BF16_MIN_ROWS, DEPTH, bf16_macros, bf16_task_rows,
 # 2 threads on a Sapphire Rapids VM (26.6 GB/s copy bandwidth): 27.3-28.2 tok/s without, 37-38 with 2 KiB ahead,
 # 41.3-42.3 with 4, 8 or 16 KiB; into L1 (prefetcht0) 35; non-temporal 18.7
 STREAM_AHEAD = 4096
+# weight-row tasks a call's rows split into at least: the thread pool hands each thread a contiguous share of
+# ceil(tasks / threads), and 9 tasks (SmolLM2's 576 rows by 64) on 2 threads gave the main thread 5 (its perf samples
+# in o_proj and down_proj 24-27% above the worker's); in 36 the halves are even. Decode +0.3-1.1% there (the threads
+# share the bandwidth: one done early leaves the other more); more threads lose more to a coarse split
+MIN_TASKS = 32
 TILE = 4  # activation rows a weight vector is multiplied with while it is in a register (8 accumulators)
 # Without VNNI a vector of bytes takes pmaddubsw + pmaddwd (8-bit weights: two psignb besides) where float32 takes one
 # FMA per 8 or 16 weights of a row already dequantized: from this many rows of x, which share that dequantization,
@@ -147,7 +152,9 @@ def int8_kernel(
     group_lanes = span // 4  # int32 lanes a group takes
     vectors = pieces[0].vectors
     lanes = pieces[0].lanes  # of the accumulators: a narrower piece adds into their first lanes
-    task_rows = next(r for r in (64, 32, 16, 8, 4, 2, 1) if out_features % r == 0)  # weight rows a thread takes
+    task_rows = next(  # weight rows a task takes: up to 64, as many tasks as balance the threads
+        (r for r in (64, 32, 16, 8, 4, 2) if out_features % r == 0 and out_features // r >= MIN_TASKS), 1
+    )
     half = group // 2
     group_max = group_max_macro(group)
     zero_shape, zero_dtype = zero_layout(zeros, out_features, groups, scale_dtype)
