@@ -11,7 +11,7 @@ import transformers
 
 from llmlower.api import load_engine
 from llmlower.errors import GenerationError
-from llmlower.runtime import Engine, StepBatch, Tokenizer, pad_batch
+from llmlower.runtime import Engine, StepBatch, Tokenizer, pack_batch, pad_batch
 from llmlower.runtime.sampling_params import SamplingParams
 
 
@@ -69,6 +69,45 @@ def test_pad_batch_right_pads_and_keeps_positions_in_range():
     assert padded.position_ids.tolist() == [[0, 1, 2], [10, 10, 10]]
     assert padded.input_lens.tolist() == [3, 1]
     assert padded.past_lens.dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    ("batch", "ids", "positions", "tables", "indices"),
+    [
+        (  # decode: one token each
+            StepBatch(tokens=[[7], [5]], past_lens=[4, 10], block_tables=[[3], [1, 2]]),
+            [7, 5],
+            [4, 10],
+            [[3, 0], [1, 2]],
+            [0, 1],
+        ),
+        (  # a prompt chunk beside a decode, tables of one width
+            StepBatch(tokens=[[7, 8, 9], [5]], past_lens=[2, 10], block_tables=[[0, 4], [1, 2]]),
+            [7, 8, 9, 5],
+            [2, 3, 4, 10],
+            [[0, 4], [1, 2]],
+            [2, 3],
+        ),
+        (  # speculative verification: the last two rows of the first sequence
+            StepBatch(tokens=[[7, 8, 9], [5]], past_lens=[0, 3], block_tables=[[6], [1]], num_logits=[2, 1]),
+            [7, 8, 9, 5],
+            [0, 1, 2, 3],
+            [[6], [1]],
+            [1, 2, 3],
+        ),
+    ],
+)
+def test_pack_batch_concatenates_tokens_at_their_positions(batch, ids, positions, tables, indices):
+    packed = pack_batch(batch)
+    assert packed.input_ids.tolist() == [ids] and packed.position_ids.tolist() == [positions]
+    assert packed.block_tables.tolist() == tables and packed.logits_indices.tolist() == indices
+    assert packed.input_lens.tolist() == [len(t) for t in batch.tokens]
+    assert {a.dtype for a in vars(packed).values()} == {np.dtype(np.int64)}
+
+
+def test_pack_batch_refuses_a_sequence_without_new_tokens():
+    with pytest.raises(GenerationError, match="at least one new token"):
+        pack_batch(StepBatch(tokens=[[7], []], past_lens=[0, 3], block_tables=[[0], [1]]))
 
 
 def test_runtime_imports_without_torch_or_transformers(tiny_llama, without_torch):

@@ -30,7 +30,7 @@ from llmlower.ir import PAGED_LATENT_ATTENTION
 from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout
 from llmlower.runtime import StepBatch
 from llmlower.runtime.executor import copy_rounds
-from llmlower.runtime.executors.tvm import aligned
+from llmlower.runtime.executors.tvm import aligned_empty
 from llmlower.step_io import KVLayout
 from llmlower.testing import calibrated
 
@@ -173,20 +173,15 @@ def test_every_position_logits(captures):
     assert np.abs(ours.step(batch) - reference.step(batch)).max() <= TOLERANCE
 
 
-def test_step_inputs_reach_tvm_as_views_where_aligned_and_as_aligned_copies_elsewhere():
-    """TVM takes a CPU array without copying only at a 64-byte address: an aligned array is passed as itself, a
-    misaligned or strided one as an aligned copy of the same values."""
-    space = np.zeros(64, np.int32)
-    start = -space.ctypes.data % 64 // 4
-    at_line = space[start : start + 8]
-    assert aligned(at_line) is at_line
-    off_line = space[start + 1 : start + 9]
-    strided = space[start : start + 16 : 2]
-    for array in (off_line, strided):
-        copy = aligned(array)
-        assert copy.ctypes.data % 64 == 0 and copy.flags.c_contiguous
-        np.testing.assert_array_equal(copy, array)
-        assert tvm.runtime.from_dlpack(copy).numpy().tolist() == array.tolist()
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.float16])
+def test_step_inputs_are_staged_at_aligned_addresses(dtype):
+    """TVM takes a CPU array without copying only at a 64-byte address: the buffers step inputs are staged in
+    start at one, whatever their size and element type."""
+    for size in (1, 3, 8, 1000):
+        buffer = aligned_empty(size, np.dtype(dtype))
+        assert buffer.ctypes.data % 64 == 0 and buffer.shape == (size,) and buffer.dtype == dtype
+        buffer[...] = np.arange(size)
+        assert tvm.runtime.from_dlpack(buffer).numpy().tolist() == buffer.tolist()
 
 
 def test_block_copies_run_in_order():

@@ -9,6 +9,7 @@ uses; the executor only reads and writes them.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -101,15 +102,28 @@ def pad_batch(batch: StepBatch, pad_id: int = 0) -> PaddedBatch:
 
 
 def pack_batch(batch: StepBatch) -> PackedBatch:
-    """Concatenate the sequences' new tokens; block tables padded to the longest with block 0."""
-    past_lens, input_lens = _lengths(batch)
-    ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in batch.tokens])[None]
-    starts = np.repeat(np.cumsum(input_lens) - input_lens, input_lens)
-    positions = np.repeat(past_lens, input_lens) + np.arange(ids.shape[1]) - starts
-    tables = np.zeros((len(input_lens), max(len(t) for t in batch.block_tables)), dtype=np.int64)
-    for row, table in enumerate(batch.block_tables):
-        tables[row, : len(table)] = table
-    indices = _last_indices(np.cumsum(input_lens), batch.logits_counts())
+    """Concatenate the sequences' new tokens; block tables padded to the longest with block 0. In few numpy calls:
+    between two decode steps this runs with its code and data out of the caches, at ~5 us a call."""
+    lens = [len(t) for t in batch.tokens]
+    if 0 in lens:
+        raise GenerationError("every sequence in a step needs at least one new token")
+    total = sum(lens)
+    past_lens, input_lens = np.array(batch.past_lens, dtype=np.int64), np.array(lens, dtype=np.int64)
+    ids = np.fromiter(itertools.chain.from_iterable(batch.tokens), np.int64, total)[None]
+    if total == len(lens):  # decode: each sequence's one token at its next position
+        positions = past_lens
+    else:
+        starts = np.repeat(np.cumsum(input_lens) - input_lens, input_lens)
+        positions = np.repeat(past_lens, input_lens) + np.arange(total) - starts
+    widths = {len(t) for t in batch.block_tables}
+    if len(widths) == 1:
+        tables = np.array(batch.block_tables, dtype=np.int64).reshape(len(lens), -1)
+    else:
+        tables = np.zeros((len(lens), max(widths)), dtype=np.int64)
+        for row, table in enumerate(batch.block_tables):
+            tables[row, : len(table)] = table
+    ends = np.cumsum(input_lens)
+    indices = ends - 1 if batch.num_logits is None else _last_indices(ends, batch.logits_counts())
     return PackedBatch(ids, positions[None], past_lens, input_lens, tables, indices)
 
 
