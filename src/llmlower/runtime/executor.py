@@ -117,7 +117,7 @@ def pack_batch(batch: StepBatch) -> PackedBatch:
         positions = np.repeat(past_lens, input_lens) + np.arange(total) - starts
     widths = {len(t) for t in batch.block_tables}
     if len(widths) == 1:
-        tables = np.array(batch.block_tables, dtype=np.int64).reshape(len(lens), -1)
+        tables = np.array(batch.block_tables, dtype=np.int64)
     else:
         tables = np.zeros((len(lens), max(widths)), dtype=np.int64)
         for row, table in enumerate(batch.block_tables):

@@ -240,14 +240,15 @@ class TvmExecutor(Executor):
         return np.from_dlpack(logits) if self.on_cpu else logits.numpy()
 
     def _input(self, name: str, array: np.ndarray) -> tvm.runtime.Tensor:
-        """A step input on the device; on the CPU a view of the input's staging buffer, alive for the call: two
-        numpy calls, where checking each array's alignment and copying the unaligned ones took ~20 us an input
-        between two decode steps (their code and data out of the caches), 0.1 ms a step."""
+        """A step input on the device; on the CPU a view of the input's staging buffer, `array` copied in, alive
+        for the call: checking each array's alignment and copying the unaligned ones took ~20 us an input between
+        two decode steps (their code and data out of the caches)."""
         if not self.on_cpu:
             return tvm.runtime.tensor(array, self.device)
         buffer = self._staged.get(name)
         if buffer is None or buffer.size < array.size or buffer.dtype != array.dtype:
-            buffer = self._staged[name] = aligned_empty(max(array.size, 2 * getattr(buffer, "size", 0)), array.dtype)
+            grown = max(array.size, 0 if buffer is None else 2 * buffer.size)
+            buffer = self._staged[name] = aligned_empty(grown, array.dtype)
         view = buffer[: array.size].reshape(array.shape)
         view[...] = array
         return tvm.runtime.from_dlpack(view)
