@@ -304,8 +304,10 @@ def int8_kernel(
             with T.sblock("weight_rows"):
                 T.reads()
                 T.writes()
-                acc = T.sblock_alloc_buffer((TILE, lanes), "float32", scope="local")
-                dots = T.sblock_alloc_buffer((TILE, lanes), "int32", scope="local")
+                # the default scope: under 1 KiB they are stack slots LLVM keeps in registers ("local" ones were
+                # heap workspace, allocated and freed per task and written back on every vector)
+                acc = T.sblock_alloc_buffer((TILE, lanes), "float32")
+                dots = T.sblock_alloc_buffer((TILE, lanes), "int32")
                 for t in T.serial(rows // TILE):  # a tile's rounded x stays in cache over the weight rows
                     for row in T.serial(task_rows):
                         rows_of(k, acc, dots, task * task_rows + row, t * TILE, b, TILE)
