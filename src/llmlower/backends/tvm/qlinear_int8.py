@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 
 from .int8_dot import MADDUBS, Int8Dot, byte_offset, dot_bytes, dot_nibbles
 from .int8_rounding import group_max_macro, inverse_scale
-from .lane_tree import buffer_tree, tree
+from .lane_tree import buffer_tree
 from .paged_kernels import ATTRS
 from .prefetch import prefetch
 from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_granted, tiles_of
@@ -201,12 +201,12 @@ def int8_kernel(
         return T.Shuffle([loaded] * group_lanes, [q for q in range(per_vector) for _ in range(group_lanes)])
 
     def nibble_lanes(k, n, g, piece):  # packed zero points of the vector's groups from g (even): shifted in the lanes
-        packed = tree(
-            operator.or_,
-            [T.Cast("int32", k.zeros[n, g // 2 + j]) << T.int32(8 * j) for j in range(piece.per_vector // 2)],
-        )
+        count = piece.per_vector // 2  # bytes: 1 or 2
+        packed = k.zeros[n, g // 2] if count == 1 else T.reinterpret("uint16", k.zeros[n, T.ramp(g // 2, 1, 2)])
+        # the bytes repeated through every int32 lane by one broadcast load: group q's nibble sits 4q bits up in each
+        repeated = T.reinterpret(f"int32x{piece.lanes}", T.broadcast(packed, piece.lanes * 4 // count))
         shifts = spread([T.int32(4 * q) for q in range(piece.per_vector)], piece)
-        nibbles = (T.broadcast(packed, piece.lanes) >> shifts) & T.broadcast(T.int32(15), piece.lanes)
+        nibbles = (repeated >> shifts) & T.broadcast(T.int32(15), piece.lanes)
         return T.Cast(f"float32x{piece.lanes}", nibbles)
 
     def zero_lanes(k, n, g, piece):  # the zero points of the vector's groups from g, over their lanes, less the offset
