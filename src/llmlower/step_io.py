@@ -15,6 +15,11 @@ How the cache is addressed is the program's KV layout:
 - PAGED: a pool of fixed-size blocks per layer, `k_pool_<layer>` / `v_pool_<layer>` of
   [num_blocks, block_size, kv_heads, head_dim], addressed by `block_tables` [seqs, max_blocks]; the step's tokens
   packed one sequence after another in a single row, [1, tokens] (ONNX Runtime's PagedAttention, vLLM's layout).
+
+A hybrid model's recurrent layers keep a fixed-size state per sequence instead of a cache that grows:
+`conv_state_<layer>` (a short convolution's last inputs) and the like, [batch, ...] in the SLOTS layout, one row
+per slot, an input and (as present_<name>) an updated output of the step like the caches. A state is that of the
+sequence after its past_lens tokens; a sequence with past_lens 0 starts from zeros whatever its row holds.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ DEFAULT_SEQUENCES = 4  # an executor's KV room when no pool size is given: this 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8")  # compile --kv-cache-dtype (vLLM's words, fp8 aside)
 
 _CACHE_NAME = re.compile(r"([kv])_(cache|pool)_(\d+)")
+STATE_KINDS = ("conv",)  # the recurrent states a step may carry, each <kind>_state_<layer>
+_STATE_NAME = re.compile(rf"({'|'.join(STATE_KINDS)})_state_(\d+)")
 
 
 class KVLayout(str, enum.Enum):
@@ -60,3 +67,16 @@ def cache_layer(name: str) -> int | None:
     """The layer of a KV-cache tensor name (k_cache_3, v_pool_0, ...), None for any other name."""
     match = _CACHE_NAME.fullmatch(name)
     return int(match.group(3)) if match else None
+
+
+def state_name(kind: str, layer: int) -> str:
+    """Name of a layer's recurrent state of `kind` (one of STATE_KINDS)."""
+    if kind not in STATE_KINDS:
+        raise ValueError(f"state kind {kind!r}: expected one of {', '.join(STATE_KINDS)}")
+    return f"{kind}_state_{layer}"
+
+
+def state_layer(name: str) -> int | None:
+    """The layer of a recurrent-state tensor name (conv_state_0, ...), None for any other name."""
+    match = _STATE_NAME.fullmatch(name)
+    return int(match.group(2)) if match else None

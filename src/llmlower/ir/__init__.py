@@ -2,6 +2,7 @@
 
 from .attention import ATTENTION
 from .causal_attention import CAUSAL_ATTENTION
+from .causal_conv import CAUSAL_CONV1D
 from .latent_attention import LATENT_ATTENTION, PAGED_LATENT_ATTENTION
 from .moe import MOE_EXPERTS
 from .norms import ADD_RMS_NORM, RMS_NORM
@@ -19,6 +20,7 @@ __all__ = [
     "ADD_RMS_NORM",
     "ATTENTION",
     "CAUSAL_ATTENTION",
+    "CAUSAL_CONV1D",
     "LATENT_ATTENTION",
     "MOE_EXPERTS",
     "OPS",

@@ -17,6 +17,7 @@ from . import (  # noqa: F401  (registration)
     paged_attention,
     quantize_weights,
     smoothquant,
+    state_cache,
 )
 from .manager import run_pipeline
 from .pipelines import DEFAULT_PIPELINE, FUSION, build_pipeline, parse_quant, with_kv_layout

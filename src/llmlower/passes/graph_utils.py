@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx
+
+from ..ir.program import INPUT_LENS, PAST_LENS, Program, TensorSpec
 
 
 def remove_unused_constants(gm: torch.fx.GraphModule) -> None:
@@ -63,3 +67,38 @@ def replace_uses(old: list[torch.fx.Node], new: list[torch.fx.Node]) -> None:
         if "val" in before.meta:
             after.meta["val"] = before.meta["val"]
         before.replace_all_uses_with(after)
+
+
+_LAYER_PATH = re.compile(r"\.(\d+)$")
+
+
+def decoder_layer(node: torch.fx.Node) -> int | None:
+    """The index of the decoder layer a captured node belongs to: the first module on its stack that is an
+    item of a module list (model.layers.3 -> 3), as torch.export records it; None where that is not recorded."""
+    for path, _ in node.meta.get("nn_module_stack", {}).values():
+        match = _LAYER_PATH.search(path)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def step_lengths(program: Program) -> tuple[torch.fx.Node, torch.fx.Node, list[TensorSpec]]:
+    """The placeholders past_lens and input_lens [batch] of a step over a cache, added after the program's last
+    input by the first pass that gives it a cache (kv_cache, state_cache); returns them and the inputs added."""
+    graph = program.graph_module.graph
+    if PAST_LENS in program.input_names:
+        return placeholder(program.graph_module, PAST_LENS), placeholder(program.graph_module, INPUT_LENS), []
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        past_lens = graph.placeholder(PAST_LENS)
+    with graph.inserting_after(past_lens):
+        input_lens = graph.placeholder(INPUT_LENS)
+    added = [TensorSpec(PAST_LENS, "int64", ("batch",)), TensorSpec(INPUT_LENS, "int64", ("batch",))]
+    return past_lens, input_lens, added
+
+
+def add_input(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
+    """A new placeholder after the graph's last one (so the program's input list grows at its end)."""
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        return graph.placeholder(name)

@@ -8,7 +8,8 @@ already has kv heads and carries its extras (window, softcap, sinks, alibi_slope
 they are.
 Masks become dead (the op is causal over the cache) and are removed. The program gains inputs past_lens,
 input_lens and one k/v cache pair per layer (each of its own head size), and returns the updated caches after
-the logits: prefill and decode are this one graph.
+the logits: prefill and decode are this one graph. In a hybrid model, whose other layers keep a recurrent state
+(state_cache runs first), each cache is named by its node's decoder layer.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import torch.fx
 from ..errors import PassError
 from ..ir.attention import ATTENTION
 from ..ir.causal_attention import CAUSAL_ATTENTION
-from ..ir.program import INPUT_LENS, PAST_LENS, Program, TensorSpec, cache_names
-from ..step_io import cache_layer
-from .graph_utils import finish, replace_uses, tensor_meta
+from ..ir.program import Program, TensorSpec, cache_names
+from ..step_io import cache_layer, state_layer
+from .graph_utils import add_input, decoder_layer, finish, replace_uses, step_lengths, tensor_meta
 from .registry import Pass, register_pass
 
 aten = torch.ops.aten
@@ -85,33 +86,44 @@ def _attention_sites(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, dict[st
     return [(n, readers[n.target](n)) for n in graph.nodes if n.op == "call_function" and n.target in readers]
 
 
+def _site_layers(sites: list[tuple[torch.fx.Node, dict[str, Any]]], program: Program) -> list[int]:
+    """The decoder layer of each attention node: in order, one per layer, in a model of attention layers only; in a
+    hybrid model (recurrent state in some layers) the layer torch.export recorded for each node."""
+    layers = program.spec.num_layers
+    if not any(state_layer(name) is not None for name in program.input_names):
+        if len(sites) != layers:
+            raise PassError(f"kv_cache: found {len(sites)} attention nodes, the config says {layers} layers")
+        return list(range(layers))
+    found = [decoder_layer(site) for site, _ in sites]
+    if None in found or len(set(found)) != len(found) or max(found, default=0) >= layers:
+        raise PassError(
+            f"kv_cache: the {len(sites)} attention nodes of this hybrid model do not name one decoder layer each "
+            f"({found}); re-capture the model with frontend.capture"
+        )
+    return found
+
+
 def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
-    if program.has_kv_cache:
+    if any(cache_layer(name) is not None for name in program.input_names):
         raise PassError("kv_cache: the program already has a KV cache")
     program = program.with_fresh_meta()
     spec = program.spec
     gm = program.graph_module
     graph = gm.graph
     sites = _attention_sites(graph)
-    if not sites:
+    recurrent = any(state_layer(name) is not None for name in program.input_names)
+    if not sites and not recurrent:
         raise PassError(
             "kv_cache: the graph has no scaled_dot_product_attention or causal_attention "
             "(load the model with frontend.load, which picks SDPA or llmlower's attention capture)"
         )
-    if len(sites) != spec.num_layers:
-        raise PassError(f"kv_cache: found {len(sites)} attention nodes, the config says {spec.num_layers} layers")
-
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    with graph.inserting_after(placeholders[-1]):
-        past_lens = graph.placeholder(PAST_LENS)
-    with graph.inserting_after(past_lens):
-        input_lens = graph.placeholder(INPUT_LENS)
-    last = input_lens
-    new_inputs = [TensorSpec(PAST_LENS, "int64", ("batch",)), TensorSpec(INPUT_LENS, "int64", ("batch",))]
+    site_layers = _site_layers(sites, program)
+    past_lens, input_lens, new_inputs = step_lengths(program)
     new_outputs: list[torch.fx.Node] = []
     output_specs: list[TensorSpec] = []
+    heads = spec.num_heads
 
-    for layer, (site, args) in enumerate(sites):
+    for layer, (site, args) in zip(site_layers, sites, strict=True):
         query, key, value = args["query"], args["key"], args["value"]
         heads = _heads(query)
         key, value = _kv_source(key), _kv_source(value)
@@ -131,11 +143,10 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
             )
         cache_shapes = [("batch", kv_heads, "context", int(tensor_meta(x).shape[-1])) for x in (key, value)]
 
-        for name, shape in zip(cache_names(layer), cache_shapes, strict=True):
-            with graph.inserting_after(last):
-                last = graph.placeholder(name)
-            new_inputs.append(TensorSpec(name, spec.dtype, shape))
-        k_cache, v_cache = last.prev, last
+        k_cache, v_cache = (add_input(graph, name) for name in cache_names(layer))
+        new_inputs += [
+            TensorSpec(n, spec.dtype, shape) for n, shape in zip(cache_names(layer), cache_shapes, strict=True)
+        ]
         with graph.inserting_before(site):
             call = graph.call_function(
                 ATTENTION.overload,
@@ -192,7 +203,9 @@ register_pass(
             "the config's kv_heads, and replaces the node with llmlower::attention reading and appending a "
             "cache [batch, kv_heads, context, head_dim] per layer. Adds inputs past_lens and input_lens "
             "[batch] (right-padded new tokens) and the caches, returns the updated caches. The attention "
-            "mask construction becomes dead and is removed. Sliding windows come from the config."
+            "mask construction becomes dead and is removed. Sliding windows come from the config. In a hybrid "
+            "model (state_cache gave some layers a recurrent state) each attention's cache is named by the decoder "
+            "layer torch.export recorded for it."
         ),
         run=kv_cache,
     )

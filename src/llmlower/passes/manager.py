@@ -12,7 +12,7 @@ import torch
 from ..errors import PassError
 from ..ir.program import INPUT_LENS, LOGITS, PassRecord, Program, example_inputs, paged_example_inputs
 from ..progress import stage
-from ..step_io import KVLayout
+from ..step_io import KVLayout, cache_layer
 from .registry import PASSES, Verification
 
 PassSpec = str | tuple[str, dict[str, Any]]
@@ -59,8 +59,10 @@ def _run_one(program: Program, name: str, options: dict[str, Any], verify: bool)
     p = PASSES[name]
     before = program.graph_stats()
     history = list(program.history)
-    # A past in the cache only when the program before the pass already has a cache.
-    past_max = VERIFY_CONTEXT - VERIFY_TOKENS if program.has_kv_cache else 0
+    # A past in the cache only when the program before the pass already has a KV cache (one with only a recurrent
+    # state, before kv_cache, still attends over its new tokens alone).
+    has_kv = any(cache_layer(name) is not None for name in program.input_names)
+    past_max = VERIFY_CONTEXT - VERIFY_TOKENS if has_kv else 0
     check = p.verification or Verification()
     if verify:
         before_inputs = check.inputs(program, options) if check.inputs else _verify_inputs(program, past_max)

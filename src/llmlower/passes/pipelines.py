@@ -19,6 +19,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "canonicalize",
     "eager_attention",
     *FUSION,
+    "state_cache",
     "kv_cache",
     "fuse_qkv_attention",
     "last_token_logits",

@@ -17,7 +17,7 @@ from ..passes.graph_utils import lm_head, output_node_for
 from .shapes import Step, decode_step, propagate
 
 aten = torch.ops.aten
-KINDS = ("matmul", "attention", "norm", "elementwise", "embedding", "lm_head")
+KINDS = ("matmul", "attention", "recurrent", "norm", "elementwise", "embedding", "lm_head")
 
 # Ops that only reinterpret memory (or shapes): no FLOPs, no bytes.
 FREE = {
@@ -161,6 +161,13 @@ OP_ARGUMENTS: dict[str, Callable[[list[Any]], dict[str, int]]] = {
         expert_bytes=sum(nbytes(t) // t.shape[0] for t in a[3:12] if isinstance(t, torch.Tensor)),
         element_bytes=a[0].element_size(),
     ),
+    "causal_conv1d": lambda a: dict(
+        batch=a[0].shape[0],
+        tokens=a[0].shape[2],
+        channels=a[1].shape[0],
+        width=a[1].shape[1],
+        element_bytes=a[0].element_size(),
+    ),
     "qembedding": lambda a: dict(
         rows=a[0].numel(),
         dim=a[5],
@@ -180,6 +187,7 @@ OP_KINDS = {
     "moe_experts": "matmul",
     "qmoe_experts": "matmul",
     "qembedding": "embedding",
+    "causal_conv1d": "recurrent",
 }
 
 

@@ -76,9 +76,14 @@ class Engine:
         self.spec = spec
         self.config = config
         self.sampler = Sampler(frozenset(spec.eos_token_ids), np.random.default_rng(seed))
-        self.blocks = BlockManager(
-            executor.num_blocks, executor.block_size, config.enable_prefix_caching, executor.blocks_per_slot
-        )
+        if draft is not None and draft.states:
+            raise GenerationError(
+                "speculative decoding: the draft model keeps a recurrent state (a hybrid model), which cannot yet be "
+                "rolled back past rejected guesses; use --speculative ngram or a draft without recurrent layers"
+            )
+        # A cached prefix holds KV entries but not the recurrent state after it: hybrid models compute every prompt.
+        prefix_caching = config.enable_prefix_caching and not executor.states
+        self.blocks = BlockManager(executor.num_blocks, executor.block_size, prefix_caching, executor.blocks_per_slot)
         speculative = config.speculative
         lookahead = speculative.num_tokens if speculative else 0
         self.scheduler = Scheduler(

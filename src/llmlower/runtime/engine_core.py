@@ -73,6 +73,9 @@ class EngineCore:
         self.proposer = proposer
         self.outputs = outputs
         self.requests: dict[str, Request] = {}
+        # a hybrid model's states before the step, per sequence verifying guesses: (its past, the states), to roll
+        # back to when a guess is rejected (the recurrent state cannot drop tokens as a KV cache does)
+        self.rollback: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
         self.speculation = SpeculationStats()
         self.prompt_tokens = self.generation_tokens = self.steps = 0
         self.finished: Counter[str] = Counter()
@@ -144,6 +147,14 @@ class EngineCore:
             if self.draft is not None:  # the draft's pool mirrors the target's blocks
                 self.draft.copy_blocks(copies)
         proposals, masks = self._propose(scheduled)
+        self.rollback = {
+            s.sequence.seq_id: (
+                s.sequence.num_computed,
+                self.executor.save_states(self.blocks.block_table(s.sequence.seq_id)),
+            )
+            for s, p in zip(scheduled, proposals, strict=True)
+            if p.tokens and self.executor.states
+        }
         batch = StepBatch(
             tokens=[
                 [*s.sequence.token_ids[s.sequence.num_computed : s.sequence.num_computed + s.num_tokens], *p.tokens]
@@ -241,6 +252,11 @@ class EngineCore:
                 break
         if choice.proposal.tokens and not sequence.finished:  # the kept guesses' KV stays; the rest goes
             sequence.num_computed = len(sequence.token_ids) - 1
+            saved = self.rollback.pop(sequence.seq_id, None)
+            if saved is not None and len(tokens) <= len(choice.proposal.tokens):  # the state took in a rejected guess
+                past, states = saved
+                self.executor.restore_states(self.blocks.block_table(sequence.seq_id), states)
+                sequence.num_computed = past  # its kept tokens run again from the state before the guesses
             self.blocks.commit(sequence.seq_id, sequence.token_ids, sequence.num_computed)
             self.blocks.truncate(sequence.seq_id, len(sequence.token_ids))
         if self.proposer is not None and not sequence.finished:  # a draft may hold guesses the grammar cut

@@ -28,6 +28,7 @@ from ..step_io import (
     PAST_LENS,
     POSITION_IDS,
     KVLayout,
+    state_layer,
 )
 
 
@@ -153,6 +154,8 @@ class Executor(ABC):
     num_blocks: int
     max_context: int  # the longest sequence (prompt + output) a step may reach
     all_positions: bool  # the program returns every position's logits (no last_token_logits)
+    # a hybrid model's recurrent states, name -> [slots, ...]: row i is the state of the sequence in slot i (SLOTS)
+    states: dict[str, np.ndarray] = {}
 
     @property
     def blocks_per_slot(self) -> int | None:
@@ -192,6 +195,30 @@ class Executor(ABC):
         table = sequential_block_tables(self, [len(tokens)])
         return np.concatenate([self.step(StepBatch([[token]], [past], table)) for past, token in enumerate(tokens)])
 
+    def copy_states(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Carry the recurrent states along block copies that start a slot: a copy of a slot's first block into
+        another slot's first block starts a sequence where the source's is (an n > 1 fork). Engines keep prefix
+        caching off for models with a recurrent state, so no other copy starts a slot."""
+        for source, destination in pairs:
+            (source_slot, source_index), (slot, index) = (
+                divmod(source, self.blocks_per_slot),
+                divmod(destination, self.blocks_per_slot),
+            )
+            if source_index == index == 0 and source_slot != slot:
+                for state in self.states.values():
+                    state[slot] = state[source_slot]
+
+    def save_states(self, table: Sequence[int]) -> dict[str, np.ndarray]:
+        """A copy of the recurrent states of the sequence holding `table` (to roll back rejected guesses)."""
+        slot = table[0] // self.blocks_per_slot
+        return {name: state[slot].copy() for name, state in self.states.items()}
+
+    def restore_states(self, table: Sequence[int], saved: dict[str, np.ndarray]) -> None:
+        """Put back what save_states returned for the sequence holding `table`."""
+        slot = table[0] // self.blocks_per_slot
+        for name, state in self.states.items():
+            state[slot] = saved[name]
+
     def slot_rows(self, block: int) -> tuple[int, slice, slice]:
         """SLOTS layout: where a block lives in a cache [slots, kv_heads, positions, head_dim], its slot and
         positions (for copy_blocks)."""
@@ -210,15 +237,22 @@ class Executor(ABC):
 
 class SlotExecutor(Executor):
     """An executor of SLOTS programs whose caches are numpy arrays [slots, kv_heads, slot positions, head_dim]:
-    each layer's whole pool, `num_blocks // blocks_per_slot` slots (default DEFAULT_SEQUENCES)."""
+    each layer's whole pool, `num_blocks // blocks_per_slot` slots (default DEFAULT_SEQUENCES); a hybrid model's
+    recurrent states are arrays [slots, ...], a slot's row the state of the sequence in that slot."""
 
     kv_layout = KVLayout.SLOTS
     caches: dict[str, np.ndarray]
 
     def allocate_slots(
-        self, layers: dict[str, tuple[int, int, type]], max_context: int, num_blocks: int | None, block_size: int
+        self,
+        layers: dict[str, tuple[int, int, type]],
+        max_context: int,
+        num_blocks: int | None,
+        block_size: int,
+        states: dict[str, tuple[tuple[int, ...], type]] | None = None,
     ) -> None:
-        """The caches named by `layers` (name -> (kv_heads, head_dim, dtype)), in memory committed as written."""
+        """The caches named by `layers` (name -> (kv_heads, head_dim, dtype)), in memory committed as written,
+        and the recurrent states named by `states` (name -> (one sequence's shape, dtype))."""
         self.block_size, self.max_context = block_size, max_context
         per_slot = self.blocks_per_slot
         self.num_blocks = num_blocks or DEFAULT_SEQUENCES * per_slot
@@ -232,11 +266,43 @@ class SlotExecutor(Executor):
             name: lazy_zeros((slots, kv_heads, per_slot * block_size, head_dim), dtype)
             for name, (kv_heads, head_dim, dtype) in layers.items()
         }
+        self.states = state_arrays(states or {}, slots)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         for cache in self.caches.values():
             for source, destination in pairs:
                 cache[self.slot_rows(destination)] = cache[self.slot_rows(source)]
+        for source, destination in state_copies(pairs, self.blocks_per_slot):
+            for state in self.states.values():
+                state[destination] = state[source]
+
+
+def state_copies(pairs: Sequence[tuple[int, int]], blocks_per_slot: int) -> list[tuple[int, int]]:
+    """(source slot, destination slot) of the recurrent states block copies carry along: a copy of a slot's first
+    block into another slot's first block starts a sequence where the source's is (an n > 1 fork). Engines keep
+    prefix caching off for models with a recurrent state, so no other copy starts a slot."""
+    slots = []
+    for source, destination in pairs:
+        (from_slot, from_index), (to_slot, to_index) = (
+            divmod(source, blocks_per_slot),
+            divmod(destination, blocks_per_slot),
+        )
+        if from_index == to_index == 0 and from_slot != to_slot:
+            slots.append((from_slot, to_slot))
+    return slots
+
+
+def state_arrays(shapes: dict[str, tuple[tuple[int, ...], type]], slots: int) -> dict[str, np.ndarray]:
+    """Zeroed recurrent states, name -> [slots, *one sequence's shape], from state_shapes' description."""
+    return {name: np.zeros((slots, *shape), dtype) for name, (shape, dtype) in shapes.items()}
+
+
+def state_shapes(specs: Sequence[tuple[str, Sequence[Any], type]]) -> dict[str, tuple[tuple[int, ...], type]]:
+    """The recurrent states among a step's inputs (name, shape [batch, ...], dtype): name -> (one sequence's shape,
+    dtype), for SlotExecutor.allocate_slots."""
+    return {
+        name: (tuple(int(d) for d in shape[1:]), dtype) for name, shape, dtype in specs if state_layer(name) is not None
+    }
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:

@@ -14,6 +14,7 @@ from onnxscript import opset18 as op
 from ...ir import (
     ADD_RMS_NORM,
     ATTENTION,
+    CAUSAL_CONV1D,
     LATENT_ATTENTION,
     MOE_EXPERTS,
     PAGED_ATTENTION,
@@ -25,7 +26,7 @@ from ...ir import (
     ROPE,
     SILU_MUL,
 )
-from . import paged_lowerings
+from . import paged_lowerings, recurrent_lowerings
 from .moe_lowerings import like_activations, moe_experts, qmoe_lowering
 from .paged_lowerings import attention_extras
 from .schemas import ensure_schema
@@ -362,4 +363,5 @@ def translations(accuracy_level: int = 4) -> dict:
         MOE_EXPERTS.overload: moe_experts,
         QLINEAR.overload: qlinear_lowering(accuracy_level),
         QMOE_EXPERTS.overload: qmoe_lowering(accuracy_level),
+        CAUSAL_CONV1D.overload: recurrent_lowerings.causal_conv1d,
     }

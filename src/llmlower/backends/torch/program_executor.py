@@ -20,6 +20,8 @@ from ...runtime.executor import (
     StepBatch,
     pack_batch,
     pad_batch,
+    state_arrays,
+    state_shapes,
     step_arrays,
     step_logits,
 )
@@ -47,6 +49,13 @@ class TorchExecutor(Executor):
         per_sequence = -(-self.max_context // self.block_size)
         self.num_blocks = num_blocks or DEFAULT_SEQUENCES * per_sequence
         self.caches: dict[str, torch.Tensor] = {}
+        # recurrent states as numpy arrays, as the runtime's executors keep them (bfloat16's in float32: numpy has none)
+        self.state_dtype = getattr(torch, spec.dtype)
+        numpy_dtype = np.float16 if spec.dtype == "float16" else np.float32
+        specs = [(t.name, t.shape, numpy_dtype) for t in program.inputs]
+        self.states = state_arrays(state_shapes(specs), self.num_blocks // per_sequence)
+        if self.states and paged:
+            raise GenerationError("the torch executor keeps recurrent states in the SLOTS layout only")
         for t in program.inputs:
             if cache_layer(t.name) is None:
                 continue
@@ -73,6 +82,8 @@ class TorchExecutor(Executor):
                     cache[destination] = cache[source]
                 else:
                     cache[self.slot_rows(destination)] = cache[self.slot_rows(source)]
+        if self.states:
+            self.copy_states(pairs)
 
     def _run(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         """Run a step; returns the program's outputs and the step's input arrays."""
@@ -102,9 +113,14 @@ class TorchExecutor(Executor):
         arrays = step_arrays(padded)
         inputs = {name: torch.from_numpy(array) for name, array in arrays.items()}
         inputs.update({name: cache[rows, :, :used] for name, cache in self.caches.items()})
+        inputs.update(
+            {name: torch.from_numpy(state[slots]).to(self.state_dtype) for name, state in self.states.items()}
+        )
         outputs = self.program(**inputs)
         for name, cache in self.caches.items():
             cache[rows, :, :used] = outputs[name]
+        for name, state in self.states.items():
+            state[slots] = outputs[name].float().numpy()
         return outputs, arrays
 
 

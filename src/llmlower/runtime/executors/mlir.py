@@ -23,6 +23,7 @@ from ..executor import (
     SlotExecutor,
     StepBatch,
     pad_batch,
+    state_shapes,
     step_arrays,
     step_logits,
 )
@@ -73,7 +74,8 @@ class MlirLinalgExecutor(SlotExecutor):
             for spec in inputs
             if cache_layer(spec["name"]) is not None
         }
-        self.allocate_slots(layers, max_context, num_blocks, block_size)
+        specs = [(spec["name"], spec["shape"], np.dtype(spec["dtype"]).type) for spec in inputs]
+        self.allocate_slots(layers, max_context, num_blocks, block_size, state_shapes(specs))
         logits = next(spec for spec in outputs if spec["name"] == LOGITS)
         self.all_positions = logits["shape"][1] != 1
 
@@ -118,7 +120,10 @@ class MlirLinalgExecutor(SlotExecutor):
             raise GenerationError(f"slots {slots.tolist()}: a step runs each sequence once")
         used = int((padded.past_lens + padded.input_lens).max())
         arrays = {**step_arrays(padded), **{name: cache[slots, :, :used] for name, cache in self.caches.items()}}
+        arrays |= {name: state[slots] for name, state in self.states.items()}
         results = dict(zip(self.output_names, self.function(*[arrays[n] for n in self.input_names]), strict=True))
         for name, cache in self.caches.items():
             cache[slots, :, :used] = results[name]
+        for name, state in self.states.items():
+            state[slots] = results[name]
         return results[LOGITS]

@@ -28,6 +28,7 @@ from ..executor import (
     SlotExecutor,
     StepBatch,
     pad_batch,
+    state_shapes,
     step_arrays,
     step_logits,
 )
@@ -130,7 +131,8 @@ class OnnxSlotExecutor(SlotExecutor):
             for spec in self.session.get_inputs()
             if cache_layer(spec.name) is not None
         }
-        self.allocate_slots(layers, max_context, num_blocks, block_size)
+        inputs = [(spec.name, spec.shape, DTYPES.get(spec.type)) for spec in self.session.get_inputs()]
+        self.allocate_slots(layers, max_context, num_blocks, block_size, state_shapes(inputs))
         self.bound = BoundStep(self.session)
         self.all_positions = self.bound.all_positions
         self.bound_rows: tuple[int, int] | None = None  # (first slot, count) the caches are bound for
@@ -184,20 +186,26 @@ class OnnxSlotExecutor(SlotExecutor):
         rows = np.array(slots) - first
         ids[rows, 0], past_lens[rows] = tokens, past
         saved = {}
-        if count > len(slots):  # rows in between: a throwaway token at position 0, their first cache entry kept
+        if count > len(
+            slots
+        ):  # rows in between: a throwaway token at position 0, their first cache entry and state kept
             idle = np.setdiff1d(np.arange(first, last + 1), slots)
             saved = {name: cache[idle, :, 0].copy() for name, cache in self.caches.items()}
+            saved_states = {name: state[idle].copy() for name, state in self.states.items()}
         padded = PaddedBatch(ids, past_lens[:, None], past_lens, np.ones(count, dtype=np.int64), rows)
         logits = self._run(first, padded)
         for name, values in saved.items():
             self.caches[name][idle, :, 0] = values
+        if saved:
+            for name, values in saved_states.items():
+                self.states[name][idle] = values
         return step_logits(logits, rows, self.all_positions)
 
     def _run(self, first_slot: int, padded: PaddedBatch) -> np.ndarray:
         """Run the model on cache rows first_slot.. (one per sequence of `padded`); returns its logits."""
         count = len(padded.input_lens)
         if self.bound_rows != (first_slot, count):
-            for name, cache in self.caches.items():
+            for name, cache in {**self.caches, **self.states}.items():
                 shape = [count, *cache.shape[1:]]
                 pointer = cache.ctypes.data + first_slot * cache[0].nbytes
                 self.bound.binding.bind_input(name, "cpu", 0, cache.dtype, shape, pointer)
