@@ -84,6 +84,11 @@ TINY_CONFIGS = {
     "bloom": lambda: transformers.BloomConfig(  # ALiBi, eager attention of its own
         vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=BOS, eos_token_id=EOS, initializer_range=0.1
     ),
+    "lfm2": lambda: transformers.Lfm2Config(  # hybrid: short-convolution layers (a conv state) around attention
+        **{**COMMON, "num_hidden_layers": 3},
+        layer_types=["conv", "full_attention", "conv"],
+        block_auto_adjust_ff_dim=False,
+    ),
     "gpt2": lambda: transformers.GPT2Config(  # learned positions, MHA, Conv1D
         vocab_size=VOCAB,
         n_embd=64,
@@ -127,8 +132,8 @@ def write_tiny_checkpoint(arch: str, directory: Path, **config: object) -> Path:
     torch.manual_seed(0)
     model_config = TINY_CONFIGS[arch]()
     types = getattr(model_config, "layer_types", None)
-    if "num_hidden_layers" in config and types and "layer_types" not in config:  # one per layer (qwen2, qwen3)
-        config = {**config, "layer_types": [types[0]] * config["num_hidden_layers"]}
+    if "num_hidden_layers" in config and types and "layer_types" not in config:  # one per layer, the pattern repeated
+        config = {**config, "layer_types": [types[i % len(types)] for i in range(config["num_hidden_layers"])]}
     for name, value in config.items():
         setattr(model_config, name, value)
     model = transformers.AutoModelForCausalLM.from_config(model_config)

@@ -37,6 +37,7 @@ from ..step_io import (
     cache_layer,
     cache_names,
     pool_names,
+    state_layer,
 )
 from .graph_utils import finish, placeholder
 from .registry import Pass, Verification, register_pass
@@ -77,6 +78,12 @@ def paged_attention(program: Program, block_size: int = DEFAULT_BLOCK_SIZE) -> t
         raise PassError("paged_attention: run it before last_token_logits (which then picks each sequence's row)")
     if block_size < 1 or block_size & (block_size - 1):
         raise PassError(f"paged_attention: block_size must be a power of two, got {block_size}")
+    states = [name for name in program.input_names if state_layer(name) is not None]
+    if states:
+        raise PassError(
+            f"paged_attention: {states[0]} is a recurrent state (a hybrid model), which the PAGED layout does not "
+            "carry yet; compile it for onnx or mlir on the CPU"
+        )
     gm = program.graph_module
     graph = gm.graph
     input_lens = placeholder(gm, INPUT_LENS)

@@ -1,0 +1,138 @@
+"""Hybrid models' recurrent layers: the ops that carry a per-sequence state across steps, the state_cache pass that
+finds them in the captured graph, and an engine that keeps, forks and rolls back the state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llmlower.errors import GenerationError
+from llmlower.frontend import capture, load
+from llmlower.ir import CAUSAL_CONV1D
+from llmlower.passes import FUSION, run_pipeline
+from llmlower.runtime import Engine, SamplingParams
+from llmlower.runtime.engine import EngineConfig
+from llmlower.runtime.speculative import SpeculativeConfig
+
+CHANNELS, WIDTH = 6, 4
+
+
+def _conv_inputs(batch: int, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, CHANNELS, tokens, generator=gen)
+    weight = torch.randn(CHANNELS, WIDTH, generator=gen)
+    bias = torch.randn(CHANNELS, generator=gen)
+    return x, weight, bias
+
+
+def _whole_prompt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The causal convolution as the models write it over a whole prompt: padded by width - 1, cut back."""
+    conv = torch.nn.functional.conv1d(x, weight.unsqueeze(1), bias, padding=WIDTH - 1, groups=CHANNELS)
+    return conv[..., : x.shape[-1]]
+
+
+@pytest.mark.parametrize("chunks", [[9], [3, 4, 2], [1] * 9, [2, 1, 6]])
+def test_causal_conv1d_in_chunks_equals_the_whole_prompt(chunks):
+    x, weight, bias = _conv_inputs(2, sum(chunks))
+    state = torch.randn(2, CHANNELS, WIDTH - 1)  # a slot's leftovers: a fresh sequence must not read them
+    outputs, past = [], 0
+    for size in chunks:
+        lens = torch.tensor([size, size])
+        out, state = CAUSAL_CONV1D.op(x[..., past : past + size], weight, bias, state, torch.tensor([past] * 2), lens)
+        outputs.append(out)
+        past += size
+    torch.testing.assert_close(torch.cat(outputs, dim=-1), _whole_prompt(x, weight, bias))
+    torch.testing.assert_close(state, x[..., -(WIDTH - 1) :])  # the last width - 1 inputs
+
+
+def test_causal_conv1d_keeps_each_rows_state_at_its_own_last_token():
+    """Right-padded rows: a row's new state ends at its last real token (shorter than the window: part old state)."""
+    x, weight, bias = _conv_inputs(3, 5, seed=1)
+    state = torch.randn(3, CHANNELS, WIDTH - 1)
+    past, lens = torch.tensor([4, 0, 7]), torch.tensor([5, 3, 1])
+    out, updated = CAUSAL_CONV1D.op(x, weight, bias, state, past, lens)
+    for row in range(3):
+        window = state[row] if past[row] else torch.zeros_like(state[row])
+        full = torch.cat((window, x[row, :, : lens[row]]), dim=-1)
+        torch.testing.assert_close(updated[row], full[:, -(WIDTH - 1) :])
+        expected = torch.nn.functional.conv1d(full[None], weight.unsqueeze(1), bias, groups=CHANNELS)[0]
+        torch.testing.assert_close(out[row, :, : lens[row]], expected)
+
+
+class _Conv(torch.nn.Module):
+    def forward(self, x, weight, bias, state, past_lens, input_lens):
+        return CAUSAL_CONV1D.op(x, weight, bias, state, past_lens, input_lens)
+
+
+def test_causal_conv1d_onnx_lowering_matches_the_reference(onnx_session):
+    x, weight, bias = _conv_inputs(3, 5, seed=2)
+    inputs = (x, weight, bias, torch.randn(3, CHANNELS, WIDTH - 1), torch.tensor([4, 0, 7]), torch.tensor([5, 3, 1]))
+    session, model = onnx_session(_Conv(), inputs)
+    assert {"Conv", "GatherElements"} <= {node.op_type for node in model.graph.node}
+    got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs, strict=True)})
+    expected = _Conv()(*inputs)
+    for row, length in enumerate([5, 3, 1]):
+        np.testing.assert_allclose(got[0][row, :, :length], expected[0][row, :, :length].numpy(), atol=1e-5)
+    np.testing.assert_allclose(got[1], expected[1].numpy(), atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def lfm2(tiny_checkpoints):
+    return load(tiny_checkpoints["lfm2"])
+
+
+def test_state_cache_finds_the_short_convolutions_in_the_graph(lfm2):
+    """LFM2's layers 0 and 2 are convolutions, layer 1 attention: each keeps what its layer needs, by layer."""
+    program = run_pipeline(capture(lfm2), ["canonicalize", *FUSION, "state_cache", "kv_cache"], verify=True)
+    states, caches = ["conv_state_0", "conv_state_2"], ["k_cache_1", "v_cache_1"]
+    assert program.input_names == ["input_ids", "position_ids", "past_lens", "input_lens", *states, *caches]
+    assert program.output_names == ["logits", *states, *caches]
+    assert program.history[-2].stats["convolutions"] == 2
+    assert program.spec.kv_widths == (0, 2 * 2 * 16, 0) and program.spec.state_elements == 2 * 64 * 2
+    assert all(record.max_error < 1e-5 for record in program.history)
+
+
+def test_a_dense_model_is_left_unchanged(tiny_checkpoints):
+    program = capture(load(tiny_checkpoints["llama"]))
+    nodes = len(program.graph_module.graph.nodes)
+    program = run_pipeline(program, ["state_cache"])
+    assert program.history[-1].stats["convolutions"] == 0 and len(program.graph_module.graph.nodes) == nodes
+
+
+@pytest.fixture(scope="module")
+def lfm2_onnx(tiny_checkpoints, compiled):
+    return compiled(tiny_checkpoints["lfm2"], "onnx")
+
+
+REPEATING = "caches hold caches hold caches hold caches hold"
+
+
+def test_rejected_guesses_roll_the_state_back(lfm2_onnx, tiny_checkpoints, greedy_reference):
+    """Prompt lookup guesses on a repeating prompt; a rejected guess must leave no trace in the conv state."""
+    speculative = SpeculativeConfig("ngram", num_tokens=3, ngram_min=1)
+    engine = Engine.load(lfm2_onnx, max_num_seqs=4, max_context=128, max_num_batched_tokens=32, speculative=speculative)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    results = engine.generate([REPEATING, "The quick brown fox"], params, chat=False)
+    for result in results:
+        assert result.token_ids == greedy_reference(tiny_checkpoints["lfm2"], result.prompt_token_ids, 16)
+    stats = engine.stats().speculation
+    assert stats.proposed > stats.accepted > 0  # some guesses kept, some rolled back
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_prefix_caching_is_off_for_a_recurrent_state(lfm2_onnx, tiny_checkpoints, greedy_reference):
+    """A cached prefix holds KV entries, not the state after it: the same prompt twice is computed twice."""
+    engine = Engine.load(lfm2_onnx, max_num_seqs=2, max_context=128, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = REPEATING * 2  # longer than a block
+    first, second = (engine.generate([prompt], params, chat=False)[0] for _ in range(2))
+    assert first.token_ids == second.token_ids
+    assert engine.stats().prefix_cache_queries == 0 and second.usage.cached_tokens == 0
+
+
+def test_a_draft_model_with_a_state_is_refused(lfm2_onnx):
+    engine = Engine.load(lfm2_onnx, max_num_seqs=2, max_context=128)
+    config = EngineConfig(max_num_seqs=2, speculative=SpeculativeConfig("draft", draft=lfm2_onnx))
+    with pytest.raises(GenerationError, match="recurrent state"):
+        Engine(engine.executor, engine.tokenizer, engine.spec, config=config, draft=engine.executor)
