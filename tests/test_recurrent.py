@@ -88,8 +88,8 @@ def test_state_cache_finds_the_short_convolutions_in_the_graph(lfm2):
     states, caches = ["conv_state_0", "conv_state_2"], ["k_cache_1", "v_cache_1"]
     assert program.input_names == ["input_ids", "position_ids", "past_lens", "input_lens", *states, *caches]
     assert program.output_names == ["logits", *states, *caches]
-    assert program.history[-2].stats["convolutions"] == 2
-    assert program.spec.kv_widths == (0, 2 * 2 * 16, 0) and program.spec.state_elements == 2 * 64 * 2
+    assert program.history[-2].stats["conv"] == 2
+    assert program.spec.kv_widths == (0, 2 * 2 * 16, 0) and program.spec.state_bytes == 2 * 64 * 2 * 4
     assert all(record.max_error < 1e-5 for record in program.history)
 
 
@@ -97,7 +97,7 @@ def test_a_dense_model_is_left_unchanged(tiny_checkpoints):
     program = capture(load(tiny_checkpoints["llama"]))
     nodes = len(program.graph_module.graph.nodes)
     program = run_pipeline(program, ["state_cache"])
-    assert program.history[-1].stats["convolutions"] == 0 and len(program.graph_module.graph.nodes) == nodes
+    assert program.history[-1].stats["conv"] == 0 and len(program.graph_module.graph.nodes) == nodes
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,8 @@ class ModelSpec:
     # per layer, the elements one token adds to that layer's KV cache as the compiled program lays it out (k and
     # v heads with their own head sizes, or MLA's latent and rotary key); None before a pass lays the cache out
     kv_widths: tuple[int, ...] | None = None
-    # the elements of one sequence's recurrent state, all layers together (a hybrid model's conv windows; 0 without)
-    state_elements: int = 0
+    # the bytes of one sequence's recurrent state, all layers together (a hybrid model's; 0 without)
+    state_bytes: int = 0
     chat_template: str | None = field(default=None, repr=False)
 
     @property
@@ -53,10 +53,6 @@ class ModelSpec:
     def kv_cache_bytes(self, context: int, batch: int = 1, dtype: str | None = None) -> int:
         """Bytes of a KV cache holding `context` tokens for each of `batch` sequences."""
         return self.kv_bytes_per_token(dtype) * context * batch
-
-    def state_bytes_per_sequence(self) -> int:
-        """Bytes of one sequence's recurrent state (fixed, whatever its length), in the model's dtype."""
-        return self.state_elements * self.dtype_bytes
 
     def window_for_layer(self, layer: int) -> int:
         """Sliding-window size of a layer's attention, 0 for full attention."""

@@ -44,6 +44,17 @@ COMMON = dict(
     initializer_range=0.1,
 )
 
+# Gated DeltaNet's sizes: 2 key heads of 8 serving 4 value heads of 16, a conv of 4, attention in layer 1 of 4
+GATED_DELTA = dict(
+    head_dim=16,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+)
+
 TINY_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**COMMON),
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=16, sliding_window=6),
@@ -88,6 +99,16 @@ TINY_CONFIGS = {
         **{**COMMON, "num_hidden_layers": 3},
         layer_types=["conv", "full_attention", "conv"],
         block_auto_adjust_ff_dim=False,
+    ),
+    # hybrids: Gated DeltaNet layers (a conv state and a delta-rule state) around gated attention with partial rotary
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**{**COMMON, "num_hidden_layers": 4}, **GATED_DELTA),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(  # ... and experts with a shared expert
+        **{**COMMON, "num_hidden_layers": 4},
+        **GATED_DELTA,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
     ),
     "gpt2": lambda: transformers.GPT2Config(  # learned positions, MHA, Conv1D
         vocab_size=VOCAB,

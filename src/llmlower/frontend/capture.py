@@ -9,6 +9,7 @@ from ..errors import CaptureError
 from ..ir.program import INPUT_IDS, LOGITS, POSITION_IDS, Program, TensorSpec, flat_graph_module
 from ..progress import stage
 from .checkpoint import LoadedModel
+from .recurrent_capture import recurrent_capture
 
 
 class CausalLMLogits(torch.nn.Module):
@@ -37,7 +38,8 @@ def capture(model: LoadedModel) -> Program:
     )
     with stage(f"capture {spec.architecture} with torch.export"):
         try:
-            exported = program.export()
+            with recurrent_capture(model.module):
+                exported = program.export()
         except Exception as exc:  # torch.export raises many unrelated types; all mean "cannot capture"
             raise CaptureError(f"torch.export could not capture {spec.architecture}: {exc}") from exc
     program.graph_module = flat_graph_module(exported)

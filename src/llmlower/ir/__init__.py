@@ -3,6 +3,7 @@
 from .attention import ATTENTION
 from .causal_attention import CAUSAL_ATTENTION
 from .causal_conv import CAUSAL_CONV1D
+from .gated_delta_rule import GATED_DELTA_RULE, GATED_DELTA_STEP
 from .latent_attention import LATENT_ATTENTION, PAGED_LATENT_ATTENTION
 from .moe import MOE_EXPERTS
 from .norms import ADD_RMS_NORM, RMS_NORM
@@ -21,6 +22,8 @@ __all__ = [
     "ATTENTION",
     "CAUSAL_ATTENTION",
     "CAUSAL_CONV1D",
+    "GATED_DELTA_RULE",
+    "GATED_DELTA_STEP",
     "LATENT_ATTENTION",
     "MOE_EXPERTS",
     "OPS",

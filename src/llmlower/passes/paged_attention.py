@@ -82,7 +82,7 @@ def paged_attention(program: Program, block_size: int = DEFAULT_BLOCK_SIZE) -> t
     if states:
         raise PassError(
             f"paged_attention: {states[0]} is a recurrent state (a hybrid model), which the PAGED layout does not "
-            "carry yet; compile it for onnx or mlir on the CPU"
+            "carry yet; compile it for the onnx backend on the CPU"
         )
     gm = program.graph_module
     graph = gm.graph

@@ -11,8 +11,10 @@ kv_cache expects no attention in.
 
 from __future__ import annotations
 
+import math
 import operator
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,8 +22,10 @@ import torch.fx
 
 from ..errors import PassError
 from ..ir.causal_conv import CAUSAL_CONV1D
+from ..ir.gated_delta_rule import GATED_DELTA_RULE, GATED_DELTA_STEP
 from ..ir.program import Program, TensorSpec, fetch_attr
-from ..step_io import state_layer, state_name
+from ..spec import DTYPE_BYTES
+from ..step_io import STATE_KINDS, state_layer, state_name
 from .graph_utils import add_input, decoder_layer, finish, replace_uses, step_lengths, tensor_meta
 from .registry import Pass, register_pass
 
@@ -62,59 +66,102 @@ def _causal_conv(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.f
     return (args["input"], cut) if out is not None and _same_size(out.shape[-1], x.shape[-1]) else None
 
 
+@dataclass(frozen=True)
+class Mixer:
+    """A recurrent mixer found in the graph: the nodes it replaces (the last one's users take the new output), the
+    state it keeps per sequence and how to call its stateful op."""
+
+    kind: str  # step_io.STATE_KINDS
+    nodes: tuple[torch.fx.Node, ...]
+    state_shape: tuple[int, ...]  # one sequence's
+    state_dtype: str
+    call: Callable[[torch.fx.Graph, torch.fx.Node, torch.fx.Node, torch.fx.Node], torch.fx.Node]
+
+
+def _conv_mixer(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype: str) -> Mixer | None:
+    found = _causal_conv(gm, node)
+    if found is None:
+        return None
+    x, cut = found
+    weight = node.args[1]
+    channels, _, width = _value(gm, weight).shape
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+
+    def call(graph: torch.fx.Graph, state: torch.fx.Node, past: torch.fx.Node, lens: torch.fx.Node) -> torch.fx.Node:
+        squeezed = graph.call_function(aten.squeeze.dim, (weight, 1))
+        return graph.call_function(CAUSAL_CONV1D.overload, (x, squeezed, bias, state, past, lens))
+
+    return Mixer("conv", (node, cut), (int(channels), int(width) - 1), dtype, call)
+
+
+def _delta_mixer(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype: str) -> Mixer | None:
+    if node.op != "call_function" or node.target is not GATED_DELTA_RULE.overload:
+        return None
+    q, k, v, g, beta, use_qk_l2norm = node.args
+    heads, dk, dv = tensor_meta(v).shape[2], tensor_meta(k).shape[3], tensor_meta(v).shape[3]
+
+    def call(graph: torch.fx.Graph, state: torch.fx.Node, past: torch.fx.Node, lens: torch.fx.Node) -> torch.fx.Node:
+        return graph.call_function(GATED_DELTA_STEP.overload, (q, k, v, g, beta, state, past, lens, use_qk_l2norm))
+
+    return Mixer("delta", (node,), (int(heads), int(dk), int(dv)), "float32", call)
+
+
+MIXERS = (_conv_mixer, _delta_mixer)
+
+
 def state_cache(program: Program) -> tuple[Program, dict[str, Any]]:
     if any(state_layer(name) is not None for name in program.input_names):
         raise PassError("state_cache: the program already carries recurrent state")
     program = program.with_fresh_meta()
     gm = program.graph_module
     graph = gm.graph
-    sites = [(node, found) for node in graph.nodes if (found := _causal_conv(gm, node)) is not None]
-    if not sites:
-        return program, {"convolutions": 0}
+    dtype = program.spec.dtype
+    mixers = [m for node in graph.nodes for find in MIXERS if (m := find(gm, node, dtype)) is not None]
+    counts = {kind: sum(m.kind == kind for m in mixers) for kind in STATE_KINDS}
+    if not mixers:
+        return program, counts
     past_lens, input_lens, new_inputs = step_lengths(program)
     new_outputs: list[torch.fx.Node] = []
     output_specs: list[TensorSpec] = []
-    for index, (conv, (x, cut)) in enumerate(sites):
-        layer = decoder_layer(conv)
-        layer = index if layer is None else layer
-        name = state_name("conv", layer)
-        if any(t.name == name for t in new_inputs):
-            raise PassError(f"state_cache: {conv.name} is a second short convolution in layer {layer}")
-        channels, _, width = _value(gm, conv.args[1]).shape
-        shape = ("batch", int(channels), int(width) - 1)
+    state_bytes = 0
+    for index, mixer in enumerate(mixers):
+        first, last = mixer.nodes[0], mixer.nodes[-1]
+        layer = decoder_layer(first)
+        name = state_name(mixer.kind, index if layer is None else layer)
+        if name in {t.name for t in new_inputs}:
+            raise PassError(f"state_cache: {first.name} is a second {mixer.kind} mixer in layer {layer}")
+        spec = TensorSpec(name, mixer.state_dtype, ("batch", *mixer.state_shape))
         state = add_input(graph, name)
-        new_inputs.append(TensorSpec(name, program.spec.dtype, shape))
-        bias = conv.args[2] if len(conv.args) > 2 else conv.kwargs.get("bias")
-        with graph.inserting_before(cut):
-            weight = graph.call_function(aten.squeeze.dim, (conv.args[1], 1))
-            call = graph.call_function(CAUSAL_CONV1D.overload, (x, weight, bias, state, past_lens, input_lens))
+        with graph.inserting_before(last):
+            call = mixer.call(graph, state, past_lens, input_lens)
             out, updated = (graph.call_function(operator.getitem, (call, i)) for i in range(2))
-        replace_uses([cut], [out])
-        graph.erase_node(cut)
-        graph.erase_node(conv)
+        replace_uses([last], [out])
+        for node in reversed(mixer.nodes):
+            graph.erase_node(node)
+        new_inputs.append(spec)
         new_outputs.append(updated)
-        output_specs.append(TensorSpec(name, program.spec.dtype, shape))
+        output_specs.append(spec)
+        state_bytes += math.prod(mixer.state_shape) * DTYPE_BYTES[mixer.state_dtype]
     output = graph.output_node()
     output.args = (tuple(output.args[0]) + tuple(new_outputs),)
     finish(gm)
     rewritten = program.with_signature(program.inputs + new_inputs, program.outputs + output_specs)
-    layers = [state_layer(t.name) for t in output_specs]
-    elements = sum(int(t.shape[1]) * int(t.shape[2]) for t in output_specs)
-    rewritten.spec = replace(program.spec, state_elements=program.spec.state_elements + elements)
-    return rewritten, {"convolutions": len(sites), "layers": layers}
+    rewritten.spec = replace(program.spec, state_bytes=program.spec.state_bytes + state_bytes)
+    return rewritten, {**counts, "layers": [state_layer(t.name) for t in output_specs]}
 
 
 register_pass(
     Pass(
         name="state_cache",
-        summary="causal depthwise conv1d -> `causal_conv1d` over a per-sequence conv state (hybrid models)",
+        summary="recurrent mixers (short convolutions, Gated DeltaNet) -> ops over a per-sequence state",
         explain=(
             "Matches every aten.conv1d that is depthwise (groups = channels, weight [C, 1, W]), stride and "
             "dilation 1, padded by W - 1, and read only through a slice back to its input's length: a causal "
             "convolution, however the model wrote it. Replaces it with llmlower::causal_conv1d over the step's new "
-            "tokens and conv_state_<layer> [batch, C, W - 1] (the sequence's last W - 1 inputs; zeros where "
-            "past_lens is 0), returns the updated state. Adds past_lens and input_lens when the program has none. "
-            "Leaves a program without such convolutions unchanged."
+            "tokens and conv_state_<layer> [batch, C, W - 1] (the sequence's last W - 1 inputs). Each captured "
+            "llmlower::gated_delta_rule becomes gated_delta_step over delta_state_<layer> [batch, hv, dk, dv] "
+            "(float32). A state is zeros where past_lens is 0; the updated states are returned. Adds past_lens and "
+            "input_lens when the program has none. Leaves a program without such mixers unchanged."
         ),
         run=state_cache,
     )

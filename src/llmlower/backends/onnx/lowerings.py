@@ -15,6 +15,7 @@ from ...ir import (
     ADD_RMS_NORM,
     ATTENTION,
     CAUSAL_CONV1D,
+    GATED_DELTA_STEP,
     LATENT_ATTENTION,
     MOE_EXPERTS,
     PAGED_ATTENTION,
@@ -364,4 +365,5 @@ def translations(accuracy_level: int = 4) -> dict:
         QLINEAR.overload: qlinear_lowering(accuracy_level),
         QMOE_EXPERTS.overload: qmoe_lowering(accuracy_level),
         CAUSAL_CONV1D.overload: recurrent_lowerings.causal_conv1d,
+        GATED_DELTA_STEP.overload: recurrent_lowerings.gated_delta_step,
     }

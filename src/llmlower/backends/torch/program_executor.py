@@ -50,9 +50,8 @@ class TorchExecutor(Executor):
         self.num_blocks = num_blocks or DEFAULT_SEQUENCES * per_sequence
         self.caches: dict[str, torch.Tensor] = {}
         # recurrent states as numpy arrays, as the runtime's executors keep them (bfloat16's in float32: numpy has none)
-        self.state_dtype = getattr(torch, spec.dtype)
-        numpy_dtype = np.float16 if spec.dtype == "float16" else np.float32
-        specs = [(t.name, t.shape, numpy_dtype) for t in program.inputs]
+        self.state_dtypes = {t.name: getattr(torch, t.dtype) for t in program.inputs}
+        specs = [(t.name, t.shape, np.float16 if t.dtype == "float16" else np.float32) for t in program.inputs]
         self.states = state_arrays(state_shapes(specs), self.num_blocks // per_sequence)
         if self.states and paged:
             raise GenerationError("the torch executor keeps recurrent states in the SLOTS layout only")
@@ -114,7 +113,7 @@ class TorchExecutor(Executor):
         inputs = {name: torch.from_numpy(array) for name, array in arrays.items()}
         inputs.update({name: cache[rows, :, :used] for name, cache in self.caches.items()})
         inputs.update(
-            {name: torch.from_numpy(state[slots]).to(self.state_dtype) for name, state in self.states.items()}
+            {name: torch.from_numpy(state[slots]).to(self.state_dtypes[name]) for name, state in self.states.items()}
         )
         outputs = self.program(**inputs)
         for name, cache in self.caches.items():
