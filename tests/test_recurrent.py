@@ -9,7 +9,7 @@ import torch
 
 from llmlower.errors import GenerationError
 from llmlower.frontend import capture, load
-from llmlower.ir import CAUSAL_CONV1D
+from llmlower.ir import CAUSAL_CONV1D, GATED_DELTA_RULE, GATED_DELTA_STEP
 from llmlower.passes import FUSION, run_pipeline
 from llmlower.runtime import Engine, SamplingParams
 from llmlower.runtime.engine import EngineConfig
@@ -136,3 +136,76 @@ def test_a_draft_model_with_a_state_is_refused(lfm2_onnx):
     config = EngineConfig(max_num_seqs=2, speculative=SpeculativeConfig("draft", draft=lfm2_onnx))
     with pytest.raises(GenerationError, match="recurrent state"):
         Engine(engine.executor, engine.tokenizer, engine.spec, config=config, draft=engine.executor)
+
+
+HK, HV, DK, DV = 2, 4, 8, 6
+
+
+def _delta_inputs(batch: int, tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q, k [batch, tokens, HK, DK], v [.., HV, DV], g (a log decay) and beta [.., HV], as the models make them."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, tokens, HK, DK, generator=gen) for _ in range(2))
+    v = torch.randn(batch, tokens, HV, DV, generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(batch, tokens, HV, generator=gen))
+    beta = torch.rand(batch, tokens, HV, generator=gen)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("function", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])
+def test_delta_step_equals_transformers_delta_rule(function):
+    """Both of transformers' implementations (chunked for prompts, recurrent for decode), from a given state."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    q, k, v, g, beta = _delta_inputs(2, 11)
+    state = torch.randn(2, HV, DK, DV)
+    ours, ours_state = GATED_DELTA_STEP.op(q, k, v, g, beta, state, torch.tensor([3, 3]), torch.tensor([11, 11]), True)
+    theirs, theirs_state = getattr(modeling_qwen3_5, function)(
+        q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours_state, theirs_state, atol=1e-4, rtol=1e-4)
+    whole, _ = getattr(modeling_qwen3_5, function)(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(GATED_DELTA_RULE.op(q, k, v, g, beta, True), whole, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunks", [[7], [3, 1, 3], [1] * 7])
+def test_delta_step_in_chunks_equals_the_whole_prompt(chunks):
+    q, k, v, g, beta = _delta_inputs(1, sum(chunks), seed=1)
+    whole = GATED_DELTA_RULE.op(q, k, v, g, beta, False)
+    state = torch.randn(1, HV, DK, DV)  # a slot's leftovers
+    outputs, past = [], 0
+    for size in chunks:
+        part = [x[:, past : past + size] for x in (q, k, v, g, beta)]
+        out, state = GATED_DELTA_STEP.op(*part, state, torch.tensor([past]), torch.tensor([size]), False)
+        outputs.append(out)
+        past += size
+    torch.testing.assert_close(torch.cat(outputs, dim=1), whole, atol=1e-5, rtol=1e-5)
+
+
+class _DeltaStep(torch.nn.Module):
+    def forward(self, q, k, v, g, beta, state, past_lens, input_lens):
+        return GATED_DELTA_STEP.op(q, k, v, g, beta, state, past_lens, input_lens, True)
+
+
+def test_delta_step_onnx_loop_matches_the_reference():
+    """Right-padded rows, one fresh: the Loop over tokens moves each row's state only at its own tokens."""
+    import onnxruntime as ort
+
+    from llmlower.backends.onnx.lowerings import translations
+    from llmlower.backends.onnx.recurrent_lowerings import expand_delta_scans
+
+    q, k, v, g, beta = _delta_inputs(3, 5, seed=2)
+    lens = torch.tensor([5, 2, 1])
+    inputs = (q, k, v, g, beta, torch.randn(3, HV, DK, DV), torch.tensor([4, 0, 9]), lens)
+    tokens = torch.export.Dim("tokens", min=1, max=64)
+    shapes = tuple({1: tokens} if i < 5 else None for i in range(len(inputs)))
+    exported = torch.export.export(_DeltaStep(), inputs, dynamic_shapes=shapes)
+    model = torch.onnx.export(exported, custom_translation_table=translations(), dynamo=True, verbose=False).model_proto
+    assert expand_delta_scans(model) == 1 and "Loop" in {node.op_type for node in model.graph.node}
+    model.ir_version = min(model.ir_version, 10)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs, strict=True)})
+    expected = _DeltaStep()(*inputs)
+    for row, length in enumerate(lens.tolist()):
+        np.testing.assert_allclose(got[0][row, :length], expected[0][row, :length].numpy(), atol=1e-5)
+    np.testing.assert_allclose(got[1], expected[1].numpy(), atol=1e-5)
