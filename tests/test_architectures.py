@@ -16,7 +16,7 @@ PROMPTS = [
     "def add(a, b):",
     "Compilers lower graphs to kernels; caches hold keys and values.",
     "12345",
-    "caches hold",
+    "caches hold caches hold caches hold",  # prompt lookup guesses from its first token on
     "The lazy dog and the quick brown fox jump over the compilers and their kernels.",
     "東京",
     "keys and values",
@@ -27,11 +27,13 @@ FORKED = 1  # the prompt answered twice (n = 2)
 # what a backend refuses, in one line, of the hybrid families: TVM's PAGED layout carries no recurrent state yet,
 # and MLIR has no lowering of the delta rule's loop over tokens
 HYBRID_REFUSALS = {
-    ("lfm2", "tvm"): "recurrent state",
-    ("qwen3_5", "tvm"): "recurrent state",
-    ("qwen3_next", "tvm"): "recurrent state",
+    **{
+        (family, "tvm"): "recurrent state"
+        for family in ("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2")
+    },
     ("qwen3_5", "mlir"): "gated_delta_step",
     ("qwen3_next", "mlir"): "gated_delta_step",
+    **{(family, "mlir"): "ssd_step" for family in ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2")},
 }
 
 

@@ -21,6 +21,7 @@ from llmlower.passes import run_pipeline
 from llmlower.runtime import Engine
 from llmlower.runtime.artifact import MANIFEST, ArtifactError, draft_artifact, read_manifest
 from llmlower.step_io import cache_names
+from llmlower.testing import layer_types_settable
 
 LAYERS = 3
 
@@ -42,7 +43,8 @@ def three_layer(tmp_path_factory, tiny_checkpoint_writer):
 def _transformers_logits(loaded, layers: int, ids: torch.Tensor) -> torch.Tensor:
     """Logits of transformers' own model from the same checkpoint, built with `layers` decoder layers."""
     types = loaded.spec.layer_types
-    options = {"layer_types": list(types[:layers])} if types else {}
+    settable = layer_types_settable(loaded.module.config)
+    options = {"layer_types": list(types[:layers])} if types and settable else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(loaded.source, num_hidden_layers=layers, **options)
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     with torch.no_grad():

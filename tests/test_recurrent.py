@@ -192,7 +192,7 @@ def test_delta_step_onnx_loop_matches_the_reference():
     import onnxruntime as ort
 
     from llmlower.backends.onnx.lowerings import translations
-    from llmlower.backends.onnx.recurrent_lowerings import expand_delta_scans
+    from llmlower.backends.onnx.token_loops import expand_token_loops
 
     q, k, v, g, beta = _delta_inputs(3, 5, seed=2)
     lens = torch.tensor([5, 2, 1])
@@ -201,7 +201,7 @@ def test_delta_step_onnx_loop_matches_the_reference():
     shapes = tuple({1: tokens} if i < 5 else None for i in range(len(inputs)))
     exported = torch.export.export(_DeltaStep(), inputs, dynamic_shapes=shapes)
     model = torch.onnx.export(exported, custom_translation_table=translations(), dynamo=True, verbose=False).model_proto
-    assert expand_delta_scans(model) == 1 and "Loop" in {node.op_type for node in model.graph.node}
+    assert expand_token_loops(model) == 1 and "Loop" in {node.op_type for node in model.graph.node}
     model.ir_version = min(model.ir_version, 10)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs, strict=True)})

@@ -17,7 +17,8 @@ How the cache is addressed is the program's KV layout:
   packed one sequence after another in a single row, [1, tokens] (ONNX Runtime's PagedAttention, vLLM's layout).
 
 A hybrid model's recurrent layers keep a fixed-size state per sequence instead of a cache that grows:
-`conv_state_<layer>` (a short convolution's last inputs) and `delta_state_<layer>` (Gated DeltaNet's matrices),
+`conv_state_<layer>` (a short convolution's last inputs), `delta_state_<layer>` (Gated DeltaNet's matrices) and
+`ssm_state_<layer>` (Mamba-2's),
 [batch, ...] in the SLOTS layout, one row per slot, an input and (as present_<name>) an updated output of the step
 like the caches. A state is that of the sequence after its past_lens tokens; a sequence with past_lens 0 starts
 from zeros whatever its row holds.
@@ -43,7 +44,7 @@ DEFAULT_SEQUENCES = 4  # an executor's KV room when no pool size is given: this 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8")  # compile --kv-cache-dtype (vLLM's words, fp8 aside)
 
 _CACHE_NAME = re.compile(r"([kv])_(cache|pool)_(\d+)")
-STATE_KINDS = ("conv", "delta")  # the recurrent states a step may carry, each <kind>_state_<layer>
+STATE_KINDS = ("conv", "delta", "ssm")  # the recurrent states a step may carry, each <kind>_state_<layer>
 _STATE_NAME = re.compile(rf"({'|'.join(STATE_KINDS)})_state_(\d+)")
 
 

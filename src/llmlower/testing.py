@@ -55,6 +55,17 @@ GATED_DELTA = dict(
     layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
 )
 
+# Mamba-2's sizes: 4 heads of 16 sharing one group of B and C, a state of 8, a conv of 4
+MAMBA2 = dict(
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_n_groups=1,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_expand=1,
+    mamba_chunk_size=8,
+)
+
 TINY_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**COMMON),
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=16, sliding_window=6),
@@ -110,6 +121,46 @@ TINY_CONFIGS = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
     ),
+    # hybrids with Mamba-2 layers (a conv state and an SSM state): beside attention and experts, ...
+    "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(
+        **{**COMMON, "num_hidden_layers": 3},
+        layer_types=["mamba", "attention", "mamba"],
+        **MAMBA2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=64,
+    ),
+    # ... in a pattern with layers of an MLP alone (no mixer), ...
+    "nemotron_h": lambda: transformers.NemotronHConfig(
+        **{**COMMON, "num_hidden_layers": 4},
+        hybrid_override_pattern="M*M-",
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=1,
+        ssm_state_size=8,
+        conv_kernel=4,
+        expand=1,
+        chunk_size=8,
+    ),
+    # ... in parallel with attention in every layer, ...
+    "falcon_h1": lambda: transformers.FalconH1Config(**COMMON, **MAMBA2, head_dim=16, mamba_d_ssm=64),
+    # ... and alone (no attention, no KV cache)
+    "mamba2": lambda: transformers.Mamba2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_heads=4,
+        head_dim=16,
+        n_groups=1,
+        state_size=8,
+        expand=1,
+        conv_kernel=4,
+        chunk_size=8,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        initializer_range=0.1,
+    ),
     "gpt2": lambda: transformers.GPT2Config(  # learned positions, MHA, Conv1D
         vocab_size=VOCAB,
         n_embd=64,
@@ -121,6 +172,13 @@ TINY_CONFIGS = {
         initializer_range=0.1,
     ),
 }
+
+
+def layer_types_settable(config: transformers.PretrainedConfig) -> bool:
+    """Whether a config's layer_types is a field of its own, not a property computed from others (Mamba-2's,
+    Falcon-H1's), which a checkpoint with fewer layers cannot be given."""
+    name = config.attribute_map.get("layer_types", "layer_types")
+    return not isinstance(getattr(type(config), name, None), property)
 
 
 def transformers_greedy(checkpoint: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
@@ -152,7 +210,7 @@ def write_tiny_checkpoint(arch: str, directory: Path, **config: object) -> Path:
     files and a chat template."""
     torch.manual_seed(0)
     model_config = TINY_CONFIGS[arch]()
-    types = getattr(model_config, "layer_types", None)
+    types = getattr(model_config, "layer_types", None) if layer_types_settable(model_config) else None
     if "num_hidden_layers" in config and types and "layer_types" not in config:  # one per layer, the pattern repeated
         config = {**config, "layer_types": [types[i % len(types)] for i in range(config["num_hidden_layers"])]}
     for name, value in config.items():

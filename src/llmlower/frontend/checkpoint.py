@@ -159,7 +159,8 @@ def spec_from_config(
     config: transformers.PretrainedConfig, generation: dict[str, Any], tokenizer: TokenizerFiles, dtype: str
 ) -> ModelSpec:
     """ModelSpec from a transformers config (attribute maps make GPT-2's n_layer etc. read the same)."""
-    heads = config.num_attention_heads
+    # a model without attention (Mamba-2) has no attention heads: its SSM heads stand in (no KV cache reads them)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None) or 1
     hidden = config.hidden_size
     layer_types = getattr(config, "layer_types", None)
     rope = getattr(config, "rope_parameters", None)

@@ -16,6 +16,7 @@ from .qmoe import QMOE_EXPERTS
 from .registry import OPS, Cost, OpDef, op_of, register_op
 from .rope import ROPE
 from .silu_mul import SILU_MUL
+from .ssd_scan import SSD_SCAN, SSD_STEP
 
 __all__ = [
     "ADD_RMS_NORM",
@@ -37,6 +38,8 @@ __all__ = [
     "RMS_NORM",
     "ROPE",
     "SILU_MUL",
+    "SSD_SCAN",
+    "SSD_STEP",
     "Cost",
     "OpDef",
     "Program",

@@ -24,6 +24,7 @@ from ..errors import PassError
 from ..ir.causal_conv import CAUSAL_CONV1D
 from ..ir.gated_delta_rule import GATED_DELTA_RULE, GATED_DELTA_STEP
 from ..ir.program import Program, TensorSpec, fetch_attr
+from ..ir.ssd_scan import SSD_SCAN, SSD_STEP
 from ..spec import DTYPE_BYTES
 from ..step_io import STATE_KINDS, state_layer, state_name
 from .graph_utils import add_input, decoder_layer, finish, replace_uses, step_lengths, tensor_meta
@@ -106,7 +107,19 @@ def _delta_mixer(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype: str) -> M
     return Mixer("delta", (node,), (int(heads), int(dk), int(dv)), "float32", call)
 
 
-MIXERS = (_conv_mixer, _delta_mixer)
+def _ssd_mixer(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype: str) -> Mixer | None:
+    if node.op != "call_function" or node.target is not SSD_SCAN.overload:
+        return None
+    x, dt, A, B, C, D, dt_bias, *options = node.args
+    _, _, heads, head_dim = tensor_meta(x).shape
+
+    def call(graph: torch.fx.Graph, state: torch.fx.Node, past: torch.fx.Node, lens: torch.fx.Node) -> torch.fx.Node:
+        return graph.call_function(SSD_STEP.overload, (x, dt, A, B, C, D, dt_bias, state, past, lens, *options))
+
+    return Mixer("ssm", (node,), (int(heads), int(head_dim), int(tensor_meta(B).shape[-1])), "float32", call)
+
+
+MIXERS = (_conv_mixer, _delta_mixer, _ssd_mixer)
 
 
 def state_cache(program: Program) -> tuple[Program, dict[str, Any]]:
@@ -153,15 +166,17 @@ def state_cache(program: Program) -> tuple[Program, dict[str, Any]]:
 register_pass(
     Pass(
         name="state_cache",
-        summary="recurrent mixers (short convolutions, Gated DeltaNet) -> ops over a per-sequence state",
+        summary="recurrent mixers (short convolutions, Gated DeltaNet, Mamba-2) -> ops over a per-sequence state",
         explain=(
             "Matches every aten.conv1d that is depthwise (groups = channels, weight [C, 1, W]), stride and "
             "dilation 1, padded by W - 1, and read only through a slice back to its input's length: a causal "
             "convolution, however the model wrote it. Replaces it with llmlower::causal_conv1d over the step's new "
             "tokens and conv_state_<layer> [batch, C, W - 1] (the sequence's last W - 1 inputs). Each captured "
             "llmlower::gated_delta_rule becomes gated_delta_step over delta_state_<layer> [batch, hv, dk, dv] "
-            "(float32). A state is zeros where past_lens is 0; the updated states are returned. Adds past_lens and "
-            "input_lens when the program has none. Leaves a program without such mixers unchanged."
+            "(float32), and each captured llmlower::ssd_scan (Mamba-2) ssd_step over ssm_state_<layer> [batch, "
+            "heads, head_dim, state_size] (float32). A state is zeros where past_lens is 0; the updated states are "
+            "returned. Adds past_lens and input_lens when the program has none. Leaves a program without such "
+            "mixers unchanged."
         ),
         run=state_cache,
     )

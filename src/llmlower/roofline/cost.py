@@ -127,6 +127,23 @@ def _cache_extent(activations: Any, k_cache: Any) -> dict[str, int]:
     )
 
 
+def _delta_extent(args: list[Any]) -> dict[str, int]:
+    """The delta rule's sizes from q, k, v [batch, tokens, heads, dim]."""
+    batch, tokens, heads, dv = args[2].shape
+    return dict(
+        batch=batch, tokens=tokens, heads=heads, dk=args[1].shape[-1], dv=dv, element_bytes=args[0].element_size()
+    )
+
+
+def _ssd_extent(args: list[Any]) -> dict[str, int]:
+    """Mamba-2's scan sizes from x [batch, tokens, heads, head_dim] and B [.., groups, state_size]."""
+    batch, tokens, heads, head_dim = args[0].shape
+    return dict(
+        batch=batch, tokens=tokens, heads=heads, head_dim=head_dim, state_size=args[3].shape[-1],
+        element_bytes=args[0].element_size(),
+    )  # fmt: skip
+
+
 # The llm op set: each op's cost-formula arguments from its call's argument values.
 OP_ARGUMENTS: dict[str, Callable[[list[Any]], dict[str, int]]] = {
     "attention": lambda a: {**_attention(a), **_cache_extent(a[0], a[3])},
@@ -168,6 +185,10 @@ OP_ARGUMENTS: dict[str, Callable[[list[Any]], dict[str, int]]] = {
         width=a[1].shape[1],
         element_bytes=a[0].element_size(),
     ),
+    "gated_delta_rule": lambda a: _delta_extent(a),
+    "gated_delta_step": lambda a: _delta_extent(a),
+    "ssd_scan": lambda a: _ssd_extent(a),
+    "ssd_step": lambda a: _ssd_extent(a),
     "qembedding": lambda a: dict(
         rows=a[0].numel(),
         dim=a[5],
@@ -188,6 +209,10 @@ OP_KINDS = {
     "qmoe_experts": "matmul",
     "qembedding": "embedding",
     "causal_conv1d": "recurrent",
+    "gated_delta_rule": "recurrent",
+    "gated_delta_step": "recurrent",
+    "ssd_scan": "recurrent",
+    "ssd_step": "recurrent",
 }
 
 

@@ -16,7 +16,7 @@ from ...ir.program import Program
 from ...step_io import PRESENT_PREFIX
 from .lowerings import translations
 from .paged_lowerings import PAGED_DTYPES
-from .recurrent_lowerings import expand_delta_scans
+from .token_loops import expand_token_loops
 
 MAX_IR_VERSION = 10  # what the onnxruntime builds we support load (they accept up to 13 at most)
 
@@ -114,6 +114,6 @@ def to_onnx(program: Program, accuracy_level: int = 4) -> onnx.ModelProto:
     for value, spec in zip(onnx_program.model.graph.outputs, program.outputs, strict=True):
         value.name = output_name(spec.name, program.input_names)
     model = onnx_program.model_proto
-    expand_delta_scans(model)
+    expand_token_loops(model)
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     return model

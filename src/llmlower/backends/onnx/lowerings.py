@@ -26,6 +26,7 @@ from ...ir import (
     RMS_NORM,
     ROPE,
     SILU_MUL,
+    SSD_STEP,
 )
 from . import paged_lowerings, recurrent_lowerings
 from .moe_lowerings import like_activations, moe_experts, qmoe_lowering
@@ -366,4 +367,5 @@ def translations(accuracy_level: int = 4) -> dict:
         QMOE_EXPERTS.overload: qmoe_lowering(accuracy_level),
         CAUSAL_CONV1D.overload: recurrent_lowerings.causal_conv1d,
         GATED_DELTA_STEP.overload: recurrent_lowerings.gated_delta_step,
+        SSD_STEP.overload: recurrent_lowerings.ssd_step,
     }

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxscript
-from onnx import numpy_helper
 from onnxscript import opset18 as op
+
+from .token_loops import LOOPS, TokenLoop, constant, register_token_loop
 
 
 def _constant(values: np.ndarray):
@@ -31,28 +31,7 @@ def causal_conv1d(x, weight, bias, state, past_lens, input_lens):
     return out, op.CastLike(updated, state)
 
 
-# The delta rule's recurrence is an ONNX Loop over tokens. torch.onnx's exporter gives a traced node only the outputs
-# its schema lists, which for Loop is one (variadic): the lowering emits this two-output stand-in, and
-# expand_delta_scans turns each into the Loop once the model is exported.
-SCAN_DOMAIN, SCAN_OP = "llmlower.onnx", "GatedDeltaScan"
-SCAN = onnxscript.values.Opset(SCAN_DOMAIN, 1)
-if not onnx.defs.has(SCAN_OP, SCAN_DOMAIN):
-    _float = onnx.defs.OpSchema.FormalParameter
-    onnx.defs.register_schema(
-        onnx.defs.OpSchema(
-            SCAN_OP,
-            SCAN_DOMAIN,
-            1,
-            "stand-in for the delta rule's Loop over tokens (expanded after export)",
-            inputs=[_float(name, "T") for name in ("q", "k", "v", "g", "beta")]
-            + [_float("valid", "B"), _float("state", "T")],
-            outputs=[_float("out", "T"), _float("final_state", "T")],
-            type_constraints=[("T", ["tensor(float)"], "float32"), ("B", ["tensor(bool)"], "mask")],
-        )
-    )
-
-
-def _tokens_first(x, group: int):
+def _tokens_first(x, group: int = 1):
     """[batch, tokens, heads, ...] -> [tokens, batch, heads * group, ...] in float32 (each head repeated `group`
     times, consecutively, as repeat_interleave does)."""
     perm = [1, 0, 2, 3] if len(x.shape) == 4 else [1, 0, 2]
@@ -68,100 +47,98 @@ def _l2_normalised(x):
     return op.Mul(x, op.Reciprocal(op.Sqrt(op.Add(total, op.Constant(value_float=1e-6)))))
 
 
+def _start_and_valid(state, past_lens, input_lens, tokens_first):
+    """The state to start from (zeros for a fresh sequence) and valid [tokens, batch]: token t < input_lens."""
+    fresh = op.Unsqueeze(op.Equal(past_lens, op.Constant(value_int=0)), op.Constant(value_ints=[1, 2, 3]))
+    start = op.Where(fresh, op.Constant(value_float=0.0), state)
+    tokens = op.Squeeze(op.Shape(tokens_first, start=0, end=1))
+    steps = op.Unsqueeze(
+        op.Range(op.Constant(value_int=0), tokens, op.Constant(value_int=1)), op.Constant(value_ints=[1])
+    )
+    return start, op.Less(steps, op.Unsqueeze(input_lens, op.Constant(value_ints=[0])))
+
+
+def _delta_token(constants: dict[str, str]) -> list[onnx.NodeProto]:
+    """One token of the delta rule: S decays by exp(g), takes k beta (v - k S), and is read by q."""
+    node = onnx.helper.make_node
+    return [
+        constant("axes23", [2, 3]),
+        constant("axis2", [2]),
+        constant("axis3", [3]),
+        node("Exp", ["g_t"], ["decay"]),
+        node("Unsqueeze", ["decay", "axes23"], ["decay4"]),
+        node("Mul", ["S", "decay4"], ["decayed"]),  # [batch, heads, dk, dv]
+        node("Unsqueeze", ["k_t", "axis3"], ["k4"]),  # [batch, heads, dk, 1]
+        node("Mul", ["decayed", "k4"], ["k_decayed"]),
+        node("ReduceSum", ["k_decayed", "axis2"], ["predicted"], keepdims=0),  # [batch, heads, dv]
+        node("Sub", ["v_t", "predicted"], ["error"]),
+        node("Unsqueeze", ["beta_t", "axis2"], ["beta3"]),
+        node("Mul", ["error", "beta3"], ["delta"]),
+        node("Unsqueeze", ["delta", "axis2"], ["delta4"]),  # [batch, heads, 1, dv]
+        node("Mul", ["k4", "delta4"], ["update"]),
+        node("Add", ["decayed", "update"], ["S_updated"]),
+        node("Unsqueeze", ["q_t", "axis3"], ["q4"]),
+        node("Mul", ["S_updated", "q4"], ["read"]),
+        node("ReduceSum", ["read", "axis2"], ["out_t"], keepdims=0),
+    ]
+
+
+def _ssd_token(constants: dict[str, str]) -> list[onnx.NodeProto]:
+    """One token of Mamba-2's scan: S decays by exp(dt A), takes dt x B^T, and is read by C."""
+    node = onnx.helper.make_node
+    return [
+        constant("axes23", [2, 3]),
+        constant("axis2", [2]),
+        constant("axis3", [3]),
+        node("Mul", ["dt_t", constants["a"]], ["dt_a"]),  # [batch, heads]
+        node("Exp", ["dt_a"], ["decay"]),
+        node("Unsqueeze", ["decay", "axes23"], ["decay4"]),
+        node("Mul", ["S", "decay4"], ["decayed"]),  # [batch, heads, head_dim, state]
+        node("Unsqueeze", ["dt_t", "axis2"], ["dt3"]),
+        node("Mul", ["dt3", "x_t"], ["dt_x"]),  # [batch, heads, head_dim]
+        node("Unsqueeze", ["dt_x", "axis3"], ["dt_x4"]),
+        node("Unsqueeze", ["b_t", "axis2"], ["b4"]),  # [batch, heads, 1, state]
+        node("Mul", ["dt_x4", "b4"], ["update"]),
+        node("Add", ["decayed", "update"], ["S_updated"]),
+        node("Unsqueeze", ["c_t", "axis2"], ["c4"]),
+        node("Mul", ["S_updated", "c4"], ["read"]),
+        node("ReduceSum", ["read", "axis3"], ["out_t"], keepdims=0),  # [batch, heads, head_dim]
+    ]
+
+
+register_token_loop(TokenLoop("GatedDeltaScan", ("q", "k", "v", "g", "beta"), (), _delta_token))
+register_token_loop(TokenLoop("SsdScan", ("x", "dt", "b", "c"), ("a",), _ssd_token))
+
+
 def gated_delta_step(q, k, v, g, beta, state, past_lens, input_lens, use_qk_l2norm: bool):
-    """The inputs laid out tokens first in float32 (q and k normalised, repeated to the value heads, q scaled), the
-    state zeroed for fresh sequences, then the recurrence as a Loop over tokens (GatedDeltaScan until expanded)."""
+    """The inputs laid out tokens first in float32 (q and k normalised, repeated to the value heads, q scaled), then
+    the recurrence as a Loop over tokens."""
     group, scale, like = v.shape[2] // k.shape[2], float(q.shape[3]) ** -0.5, q
     q, k = _tokens_first(q, group), _tokens_first(k, group)
     if use_qk_l2norm:
         q, k = _l2_normalised(q), _l2_normalised(k)
     q = op.Mul(q, op.Constant(value_float=scale))
-    v, g, beta = _tokens_first(v, 1), _tokens_first(g, 1), _tokens_first(beta, 1)
-    fresh = op.Unsqueeze(op.Equal(past_lens, op.Constant(value_int=0)), op.Constant(value_ints=[1, 2, 3]))
-    start = op.Where(fresh, op.Constant(value_float=0.0), state)
-    tokens = op.Shape(q, start=0, end=1)
-    steps = op.Range(op.Constant(value_int=0), op.Squeeze(tokens), op.Constant(value_int=1))
-    valid = op.Less(
-        op.Unsqueeze(steps, op.Constant(value_ints=[1])), op.Unsqueeze(input_lens, op.Constant(value_ints=[0]))
-    )
-    out, final = SCAN.GatedDeltaScan(q, k, v, g, beta, valid, start)
+    start, valid = _start_and_valid(state, past_lens, input_lens, q)
+    out, final = LOOPS.GatedDeltaScan(q, k, _tokens_first(v), _tokens_first(g), _tokens_first(beta), valid, start)
     return op.CastLike(op.Transpose(out, perm=[1, 0, 2, 3]), like), final
 
 
-def _loop_body(q: str, k: str, v: str, g: str, beta: str, valid: str) -> onnx.GraphProto:
-    """One token of the recurrence: (i, cond, S) -> (cond, S', out_i), reading token i of the outer q .. valid."""
-    h = onnx.helper
-    nodes = [
-        h.make_node("Constant", [], ["axes23"], value=numpy_helper.from_array(np.array([2, 3], dtype=np.int64))),
-        h.make_node("Constant", [], ["axis2"], value=numpy_helper.from_array(np.array([2], dtype=np.int64))),
-        h.make_node("Constant", [], ["axis3"], value=numpy_helper.from_array(np.array([3], dtype=np.int64))),
-        h.make_node("Constant", [], ["axes123"], value=numpy_helper.from_array(np.array([1, 2, 3], dtype=np.int64))),
-        *(
-            h.make_node("Gather", [outer, "i"], [f"{name}_t"], axis=0)
-            for name, outer in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("valid", valid))
-        ),
-        h.make_node("Exp", ["g_t"], ["decay"]),
-        h.make_node("Unsqueeze", ["decay", "axes23"], ["decay4"]),
-        h.make_node("Mul", ["S", "decay4"], ["decayed"]),  # [b, h, dk, dv]
-        h.make_node("Unsqueeze", ["k_t", "axis3"], ["k4"]),  # [b, h, dk, 1]
-        h.make_node("Mul", ["decayed", "k4"], ["k_decayed"]),
-        h.make_node("ReduceSum", ["k_decayed", "axis2"], ["predicted"], keepdims=0),  # [b, h, dv]
-        h.make_node("Sub", ["v_t", "predicted"], ["error"]),
-        h.make_node("Unsqueeze", ["beta_t", "axis2"], ["beta3"]),
-        h.make_node("Mul", ["error", "beta3"], ["delta"]),
-        h.make_node("Unsqueeze", ["delta", "axis2"], ["delta4"]),  # [b, h, 1, dv]
-        h.make_node("Mul", ["k4", "delta4"], ["update"]),
-        h.make_node("Add", ["decayed", "update"], ["updated"]),
-        h.make_node("Unsqueeze", ["q_t", "axis3"], ["q4"]),
-        h.make_node("Mul", ["updated", "q4"], ["read"]),
-        h.make_node("ReduceSum", ["read", "axis2"], ["out_t"], keepdims=0),
-        h.make_node("Unsqueeze", ["valid_t", "axes123"], ["valid4"]),
-        h.make_node("Where", ["valid4", "updated", "S"], ["S_next"]),
-        h.make_node("Identity", ["cond"], ["cond_next"]),
-    ]
-    floats = onnx.TensorProto.FLOAT
-    return h.make_graph(
-        nodes,
-        "gated_delta_token",
-        [
-            h.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
-            h.make_tensor_value_info("cond", onnx.TensorProto.BOOL, []),
-            h.make_tensor_value_info("S", floats, None),
-        ],
-        [
-            h.make_tensor_value_info("cond_next", onnx.TensorProto.BOOL, []),
-            h.make_tensor_value_info("S_next", floats, None),
-            h.make_tensor_value_info("out_t", floats, None),
-        ],
-    )
-
-
-def expand_delta_scans(model: onnx.ModelProto) -> int:
-    """Replace each GatedDeltaScan stand-in of `model` by its Loop over tokens, in place; returns how many."""
-    graph, count = model.graph, 0
-    for index, node in reversed(list(enumerate(graph.node))):
-        if node.domain != SCAN_DOMAIN or node.op_type != SCAN_OP:
-            continue
-        q, k, v, g, beta, valid, start = node.input
-        prefix = f"{node.name or 'delta_scan'}_{index}"
-        trips = [
-            onnx.helper.make_node("Shape", [q], [f"{prefix}_tokens"], start=0, end=1),
-            onnx.helper.make_node("Constant", [], [f"{prefix}_axis0"], value_ints=[0]),
-            onnx.helper.make_node("Squeeze", [f"{prefix}_tokens", f"{prefix}_axis0"], [f"{prefix}_trips"]),
-            onnx.helper.make_node("Constant", [], [f"{prefix}_true"], value=numpy_helper.from_array(np.array(True))),
-        ]
-        loop = onnx.helper.make_node(
-            "Loop",
-            [f"{prefix}_trips", f"{prefix}_true", start],
-            [node.output[1], node.output[0]],
-            name=prefix,
-            body=_loop_body(q, k, v, g, beta, valid),
-        )
-        graph.node.remove(node)
-        for offset, new in enumerate([*trips, loop]):
-            graph.node.insert(index + offset, new)
-        count += 1
-    kept = [o for o in model.opset_import if o.domain != SCAN_DOMAIN]
-    del model.opset_import[:]
-    model.opset_import.extend(kept)
-    return count
+def ssd_step(x, dt, A, B, C, D, dt_bias, state, past_lens, input_lens, softplus: bool, dt_min: float, dt_max: float):
+    """dt discretised, x, dt, B and C laid out tokens first in float32 (B and C repeated to the heads), the scan as
+    a Loop over tokens, then D's skip connection."""
+    group = x.shape[2] // B.shape[2]
+    dt = _tokens_first(dt)  # [tokens, batch, heads]
+    if dt_bias is not None:
+        dt = op.Add(dt, op.Cast(dt_bias, to=onnx.TensorProto.FLOAT))
+    if softplus:
+        dt = op.Softplus(dt)
+    dt = op.Clip(dt, op.Constant(value_float=dt_min), op.Constant(value_float=min(dt_max, 3.4e38)))
+    first = _tokens_first(x)
+    start, valid = _start_and_valid(state, past_lens, input_lens, first)
+    a = op.Cast(A, to=onnx.TensorProto.FLOAT)
+    y, final = LOOPS.SsdScan(first, dt, _tokens_first(B, group), _tokens_first(C, group), valid, a, start)
+    y = op.Transpose(y, perm=[1, 0, 2, 3])
+    if D is not None:
+        d = op.Unsqueeze(op.Cast(D, to=onnx.TensorProto.FLOAT), op.Constant(value_ints=[1]))
+        y = op.Add(y, op.Mul(d, op.Cast(x, to=onnx.TensorProto.FLOAT)))
+    return y, final

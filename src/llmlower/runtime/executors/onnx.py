@@ -5,9 +5,9 @@ whose rows are sequences: each layer's cache is one numpy array [slots, kv_heads
 and a step binds a range of its rows as the op's past *and* present (IO binding, the same memory), so no step
 copies the cache (benchmarks/kv_layouts_onnx_cpu.py measured the alternatives). The block manager gives each
 sequence a slot (its blocks are that slot's), so the slots of a step's decodes may have gaps: the rows in
-between run a throwaway token at position 0 whose cache entries are saved before the run and put back after
-it, and every decode still shares one run. GroupQueryAttention takes several tokens after a past only for
-one sequence at a time: prompt chunks run one per session run.
+between run a throwaway token at position 0 whose cache entries (and recurrent states) are saved before the run
+and put back after it, and every decode still shares one run. GroupQueryAttention takes several tokens after a
+past only for one sequence at a time: prompt chunks run one per session run.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class OnnxSlotExecutor(SlotExecutor):
         past_lens = np.zeros(count, dtype=np.int64)
         rows = np.array(slots) - first
         ids[rows, 0], past_lens[rows] = tokens, past
-        saved = {}
+        saved, saved_states = {}, {}
         if count > len(
             slots
         ):  # rows in between: a throwaway token at position 0, their first cache entry and state kept
@@ -196,9 +196,8 @@ class OnnxSlotExecutor(SlotExecutor):
         logits = self._run(first, padded)
         for name, values in saved.items():
             self.caches[name][idle, :, 0] = values
-        if saved:
-            for name, values in saved_states.items():
-                self.states[name][idle] = values
+        for name, values in saved_states.items():
+            self.states[name][idle] = values
         return step_logits(logits, rows, self.all_positions)
 
     def _run(self, first_slot: int, padded: PaddedBatch) -> np.ndarray:
