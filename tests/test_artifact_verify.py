@@ -16,6 +16,7 @@ from tvm import relax
 
 import llmlower.backends.mlir.export as mlir_export
 import llmlower.backends.onnx.lowerings as onnx_lowerings
+import llmlower.backends.onnx.recurrent_lowerings as recurrent_lowerings
 import llmlower.backends.tvm.lowerings as tvm_lowerings
 from llmlower import progress
 from llmlower.api import compile_program
@@ -46,7 +47,7 @@ def test_a_verified_artifact_is_written(backend, tiny_llama, tmp_path, capsys):
     assert (out / "manifest.json").is_file()
     shown = capsys.readouterr().err
     assert f"verify the {backend} artifact against the torch reference" in shown
-    assert "greedy tokens agree at 5 of 5 steps" in shown
+    assert "greedy tokens agree at 6 of 6 steps" in shown
 
 
 def test_the_default_recipe_of_a_moe_model_runs_quantized_experts(tiny_checkpoints, tmp_path, capsys):
@@ -64,7 +65,7 @@ def test_a_latent_cache_artifact_is_verified(backend, tiny_checkpoints, tmp_path
     backend."""
     out = tmp_path / backend
     assert _compile(tiny_checkpoints["deepseek_v3"], out, backend, "--passes", LATENT_PASSES) == 0
-    assert "greedy tokens agree at 5 of 5 steps" in capsys.readouterr().err
+    assert "greedy tokens agree at 6 of 6 steps" in capsys.readouterr().err
 
 
 def _break_onnx(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,6 +120,36 @@ def test_a_wrong_artifact_is_refused_in_one_line_and_nothing_written(
     assert "Traceback" not in err
     assert not out.exists()
     assert list(out.parent.iterdir()) == []  # no staging directory left either
+
+
+def test_generate_refuses_a_wrong_artifact_before_caching_it(tiny_llama, tmp_path, monkeypatch, capsys):
+    """generate, chat and serve compile through the cache, which runs the artifact against the torch reference
+    first: a wrong one is refused in one line and never cached (so never run silently)."""
+    _break_onnx(monkeypatch)
+    args = ["generate", str(tiny_llama), "--prompt", "Hi", "--max-tokens", "2", "--quant", "none", "--raw"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "differs from the torch reference (prefill)" in errors[0], err
+    artifacts = tmp_path / "cache" / "artifacts"
+    assert not any(path.name == "manifest.json" for path in artifacts.rglob("*")), list(artifacts.rglob("*"))
+
+
+def test_a_wrong_recurrent_state_is_refused(tiny_checkpoints, tmp_path, monkeypatch, capsys):
+    """A hybrid model's states are compared as its logits are: a conv state written 1% off is refused at the
+    prefill, before any logits read it."""
+    right = recurrent_lowerings.causal_conv1d
+
+    def wrong(*args):
+        out, state = right(*args)
+        return out, op.Mul(state, op.CastLike(op.Constant(value_float=WRONG_SCALE), state))
+
+    monkeypatch.setattr(recurrent_lowerings, "causal_conv1d", wrong)
+    out = tmp_path / "lfm2"
+    assert _compile(tiny_checkpoints["lfm2"], out, "onnx") == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert re.match(r"error: the onnx artifact .* \(prefill\): recurrent state conv_state_\d off by", errors[0])
+    assert not out.exists()
 
 
 class Recorder:

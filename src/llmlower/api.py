@@ -192,6 +192,7 @@ def compile_artifact(
     static_dims: dict[str, int] | None = None,
     block_size: int | None = None,
     verify: bool = False,
+    check_artifact: bool = False,
     write_extra: Callable[[Path], None] | None = None,
     draft_layers: int | Sequence[int] | None = None,
     kv_cache_dtype: str = "auto",
@@ -206,6 +207,8 @@ def compile_artifact(
     files of the caller's to the artifact before it is hashed (the compile cache's key). `verify` checks each pass
     against the one before and then the built artifact, run by its own executor, against the torch reference
     (verify_artifact): one that differs beyond its backend's tolerance is refused and nothing is written.
+    `check_artifact` runs that last check alone (seconds: a prefill and a few decode steps of three sequences on
+    both executors), what the compile cache does for every model generate, chat and serve compile.
 
     `draft_layers` (K, or several): also compile a self-draft for speculative decoding per K, the model's first K
     decoder layers with its final norm and LM head (the draft_layers pass, first in the same pipeline, backend,
@@ -258,7 +261,8 @@ def compile_artifact(
 
     def build(built: Program, directory: Path | str, **extra: Any) -> Path:
         """The backend's build of the target's program or a draft's, with this compile's target and options."""
-        return build_checked(entry.name, built, directory, verify=verify, target=target, **extra, **given)
+        checked = verify or check_artifact
+        return build_checked(entry.name, built, directory, verify=checked, target=target, **extra, **given)
 
     if not drafts:
 

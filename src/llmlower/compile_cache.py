@@ -179,6 +179,7 @@ def compile_entry(source: Path, entry: Path, request: CompileRequest, key: dict[
         dtype=request.dtype,
         block_size=request.block_size,
         verify=verify,
+        check_artifact=True,  # a wrong artifact is refused before it is cached, not run silently
         write_extra=write_key,
         draft_layers=list(request.draft_layers),
         kv_cache_dtype=request.kv_cache_dtype,
@@ -195,7 +196,8 @@ def load_compiled(
 ) -> T:
     """`open_artifact(entry)` on MODEL's cached artifact for `request`, compiling it first when it is missing,
     stale or damaged (an ArtifactError from open_artifact: a file that fails its hash). `notify` gets a line
-    when compiling or waiting for another process; `verify` checks each pass when compiling."""
+    when compiling or waiting for another process; `verify` checks each pass when compiling. Every compile runs the
+    built artifact against the torch reference before caching it (api.compile_artifact's check_artifact)."""
     from .frontend import resolve_model
 
     source = resolve_model(model)
