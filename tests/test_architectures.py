@@ -29,10 +29,20 @@ FORKED = 1  # the prompt answered twice (n = 2)
 HYBRID_REFUSALS = {
     **{
         (family, "tvm"): "recurrent state"
-        for family in ("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2")
+        for family in (
+            "lfm2",
+            "qwen3_5",
+            "qwen3_next",
+            "jamba",
+            "granitemoehybrid",
+            "nemotron_h",
+            "falcon_h1",
+            "mamba2",
+        )
     },
     ("qwen3_5", "mlir"): "gated_delta_step",
     ("qwen3_next", "mlir"): "gated_delta_step",
+    ("jamba", "mlir"): "selective_step",
     **{(family, "mlir"): "ssd_step" for family in ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2")},
 }
 

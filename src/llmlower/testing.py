@@ -121,6 +121,20 @@ TINY_CONFIGS = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
     ),
+    # a hybrid with Mamba layers (a conv state and a selective-scan state) between attention layers, and experts
+    "jamba": lambda: transformers.JambaConfig(
+        **{**COMMON, "num_hidden_layers": 4},
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_dt_rank=8,
+    ),
     # hybrids with Mamba-2 layers (a conv state and an SSM state): beside attention and experts, ...
     "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(
         **{**COMMON, "num_hidden_layers": 3},

@@ -1,11 +1,12 @@
 """Recurrent mixers that transformers computes in chunks, captured as one op each.
 
 transformers' Gated DeltaNet layers (Qwen3-Next, Qwen3.5, OLMo's hybrid) call its torch implementations of the
-delta rule, `torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule`, and its Mamba-2 layers
-(Granite-4.0-H, Nemotron-H, Falcon-H1, Bamba, Zamba2) `mamba2_chunk_scan`: the fallbacks of its kernel interface,
-named alike in every family, whose chunks (a loop over them, or a padding to their size) torch.export cannot keep
-dynamic. While a model is captured those functions, in every modeling module of the model, record
-`gated_delta_rule` or `ssd_scan` instead; afterwards they are transformers' own again.
+delta rule, `torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule`, its Mamba-2 layers
+(Granite-4.0-H, Nemotron-H, Falcon-H1, Bamba, Zamba2) `mamba2_chunk_scan` and its Mamba layers (Jamba, Mamba,
+Falcon-Mamba) `mamba_selective_scan`: the fallbacks of its kernel interface, named alike in every family, whose
+loops over chunks or tokens (or padding to whole chunks) torch.export cannot keep dynamic. While a model is captured
+those functions, in every modeling module of the model, record `gated_delta_rule`, `ssd_scan` or `selective_scan`
+instead; afterwards they are transformers' own again.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import torch
 
 from ..errors import CaptureError
 from ..ir.gated_delta_rule import GATED_DELTA_RULE
+from ..ir.selective_scan import SELECTIVE_SCAN
 from ..ir.ssd_scan import SSD_SCAN
 from .attention_capture import NEUTRAL, PASSED_ON
 
 DELTA_RULE_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 SSD_FUNCTIONS = ("mamba2_chunk_scan",)
+SELECTIVE_SCAN_FUNCTIONS = ("mamba_selective_scan",)
 
 
 def _refuse_extras(what: str, kwargs: dict[str, Any], ignored: tuple[str, ...]) -> None:
@@ -79,12 +82,35 @@ def captured_ssd_scan(
     return SSD_SCAN.op(hidden_states, dt, A, B, C, D, dt_bias, bool(dt_softplus), low, high)
 
 
+def captured_selective_scan(
+    hidden_states: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' Mamba selective scan as one `selective_scan` over the whole prompt (no final state; the
+    choice of its torch algorithm changes nothing the op computes)."""
+    if return_last_state:
+        raise CaptureError("mamba selective scan: capture has no recurrent state to return")
+    _refuse_extras("mamba selective scan", kwargs, ("use_mambapy", "use_associative_scan", *PASSED_ON))
+    return SELECTIVE_SCAN.op(hidden_states, dt, A, B, C, D, z, delta_bias, bool(delta_softplus))
+
+
 @contextlib.contextmanager
 def recurrent_capture(module: torch.nn.Module) -> Iterator[None]:
-    """While the block runs, the delta-rule functions of `module`'s modeling modules record `gated_delta_rule`."""
+    """While the block runs, the recurrences of `module`'s modeling modules record one op each."""
     modules = {sys.modules[type(m).__module__] for m in module.modules()}
-    captured = dict.fromkeys(DELTA_RULE_FUNCTIONS, captured_delta_rule) | dict.fromkeys(
-        SSD_FUNCTIONS, captured_ssd_scan
+    captured = (
+        dict.fromkeys(DELTA_RULE_FUNCTIONS, captured_delta_rule)
+        | dict.fromkeys(SSD_FUNCTIONS, captured_ssd_scan)
+        | dict.fromkeys(SELECTIVE_SCAN_FUNCTIONS, captured_selective_scan)
     )
     saved = [(mod, name, getattr(mod, name)) for mod in modules for name in captured if hasattr(mod, name)]
     try:

@@ -15,6 +15,7 @@ from .qlinear import QEMBEDDING, QLINEAR
 from .qmoe import QMOE_EXPERTS
 from .registry import OPS, Cost, OpDef, op_of, register_op
 from .rope import ROPE
+from .selective_scan import SELECTIVE_SCAN, SELECTIVE_STEP
 from .silu_mul import SILU_MUL
 from .ssd_scan import SSD_SCAN, SSD_STEP
 
@@ -37,6 +38,8 @@ __all__ = [
     "QMOE_EXPERTS",
     "RMS_NORM",
     "ROPE",
+    "SELECTIVE_SCAN",
+    "SELECTIVE_STEP",
     "SILU_MUL",
     "SSD_SCAN",
     "SSD_STEP",

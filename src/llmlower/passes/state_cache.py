@@ -24,6 +24,7 @@ from ..errors import PassError
 from ..ir.causal_conv import CAUSAL_CONV1D
 from ..ir.gated_delta_rule import GATED_DELTA_RULE, GATED_DELTA_STEP
 from ..ir.program import Program, TensorSpec, fetch_attr
+from ..ir.selective_scan import SELECTIVE_SCAN, SELECTIVE_STEP
 from ..ir.ssd_scan import SSD_SCAN, SSD_STEP
 from ..spec import DTYPE_BYTES
 from ..step_io import STATE_KINDS, state_layer, state_name
@@ -119,7 +120,20 @@ def _ssd_mixer(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype: str) -> Mix
     return Mixer("ssm", (node,), (int(heads), int(head_dim), int(tensor_meta(B).shape[-1])), "float32", call)
 
 
-MIXERS = (_conv_mixer, _delta_mixer, _ssd_mixer)
+def _selective_mixer(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype: str) -> Mixer | None:
+    if node.op != "call_function" or node.target is not SELECTIVE_SCAN.overload:
+        return None
+    x, dt, A, B, C, D, z, dt_bias, softplus = node.args
+    channels, state_size = _value(gm, A).shape if A.op == "get_attr" else tensor_meta(A).shape
+
+    def call(graph: torch.fx.Graph, state: torch.fx.Node, past: torch.fx.Node, lens: torch.fx.Node) -> torch.fx.Node:
+        args = (x, dt, A, B, C, D, z, dt_bias, state, past, lens, softplus)
+        return graph.call_function(SELECTIVE_STEP.overload, args)
+
+    return Mixer("ssm", (node,), (int(channels), int(state_size)), "float32", call)
+
+
+MIXERS = (_conv_mixer, _delta_mixer, _ssd_mixer, _selective_mixer)
 
 
 def state_cache(program: Program) -> tuple[Program, dict[str, Any]]:
@@ -166,7 +180,7 @@ def state_cache(program: Program) -> tuple[Program, dict[str, Any]]:
 register_pass(
     Pass(
         name="state_cache",
-        summary="recurrent mixers (short convolutions, Gated DeltaNet, Mamba-2) -> ops over a per-sequence state",
+        summary="recurrent mixers (short convolutions, Gated DeltaNet, Mamba) -> ops over a per-sequence state",
         explain=(
             "Matches every aten.conv1d that is depthwise (groups = channels, weight [C, 1, W]), stride and "
             "dilation 1, padded by W - 1, and read only through a slice back to its input's length: a causal "
@@ -174,9 +188,10 @@ register_pass(
             "tokens and conv_state_<layer> [batch, C, W - 1] (the sequence's last W - 1 inputs). Each captured "
             "llmlower::gated_delta_rule becomes gated_delta_step over delta_state_<layer> [batch, hv, dk, dv] "
             "(float32), and each captured llmlower::ssd_scan (Mamba-2) ssd_step over ssm_state_<layer> [batch, "
-            "heads, head_dim, state_size] (float32). A state is zeros where past_lens is 0; the updated states are "
-            "returned. Adds past_lens and input_lens when the program has none. Leaves a program without such "
-            "mixers unchanged."
+            "heads, head_dim, state_size] (float32), and each llmlower::selective_scan (Mamba) selective_step over "
+            "ssm_state_<layer> [batch, channels, state_size]. A state is zeros where past_lens is 0; the updated "
+            "states are returned. Adds past_lens and input_lens when the program has none. Leaves a program "
+            "without such mixers unchanged."
         ),
         run=state_cache,
     )

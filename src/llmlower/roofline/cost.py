@@ -144,6 +144,18 @@ def _ssd_extent(args: list[Any]) -> dict[str, int]:
     )  # fmt: skip
 
 
+def _selective_extent(args: list[Any]) -> dict[str, int]:
+    """Mamba's scan sizes from x [batch, channels, tokens] and A [channels, state_size]."""
+    batch, channels, tokens = args[0].shape
+    return dict(
+        batch=batch,
+        tokens=tokens,
+        channels=channels,
+        state_size=args[2].shape[-1],
+        element_bytes=args[0].element_size(),
+    )
+
+
 # The llm op set: each op's cost-formula arguments from its call's argument values.
 OP_ARGUMENTS: dict[str, Callable[[list[Any]], dict[str, int]]] = {
     "attention": lambda a: {**_attention(a), **_cache_extent(a[0], a[3])},
@@ -189,6 +201,8 @@ OP_ARGUMENTS: dict[str, Callable[[list[Any]], dict[str, int]]] = {
     "gated_delta_step": lambda a: _delta_extent(a),
     "ssd_scan": lambda a: _ssd_extent(a),
     "ssd_step": lambda a: _ssd_extent(a),
+    "selective_scan": lambda a: _selective_extent(a),
+    "selective_step": lambda a: _selective_extent(a),
     "qembedding": lambda a: dict(
         rows=a[0].numel(),
         dim=a[5],
@@ -213,6 +227,8 @@ OP_KINDS = {
     "gated_delta_step": "recurrent",
     "ssd_scan": "recurrent",
     "ssd_step": "recurrent",
+    "selective_scan": "recurrent",
+    "selective_step": "recurrent",
 }
 
 

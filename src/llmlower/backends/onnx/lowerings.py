@@ -25,6 +25,7 @@ from ...ir import (
     QMOE_EXPERTS,
     RMS_NORM,
     ROPE,
+    SELECTIVE_STEP,
     SILU_MUL,
     SSD_STEP,
 )
@@ -368,4 +369,5 @@ def translations(accuracy_level: int = 4) -> dict:
         CAUSAL_CONV1D.overload: recurrent_lowerings.causal_conv1d,
         GATED_DELTA_STEP.overload: recurrent_lowerings.gated_delta_step,
         SSD_STEP.overload: recurrent_lowerings.ssd_step,
+        SELECTIVE_STEP.overload: recurrent_lowerings.selective_step,
     }

@@ -49,7 +49,8 @@ def _l2_normalised(x):
 
 def _start_and_valid(state, past_lens, input_lens, tokens_first):
     """The state to start from (zeros for a fresh sequence) and valid [tokens, batch]: token t < input_lens."""
-    fresh = op.Unsqueeze(op.Equal(past_lens, op.Constant(value_int=0)), op.Constant(value_ints=[1, 2, 3]))
+    axes = list(range(1, len(state.shape)))
+    fresh = op.Unsqueeze(op.Equal(past_lens, op.Constant(value_int=0)), op.Constant(value_ints=axes))
     start = op.Where(fresh, op.Constant(value_float=0.0), state)
     tokens = op.Squeeze(op.Shape(tokens_first, start=0, end=1))
     steps = op.Unsqueeze(
@@ -106,8 +107,55 @@ def _ssd_token(constants: dict[str, str]) -> list[onnx.NodeProto]:
     ]
 
 
+def _selective_token(constants: dict[str, str]) -> list[onnx.NodeProto]:
+    """One token of Mamba's selective scan: S decays by exp(dt A) per channel and state, takes dt x B, is read by C."""
+    node = onnx.helper.make_node
+    return [
+        constant("axis1", [1]),
+        constant("axis2", [2]),
+        node("Unsqueeze", ["dt_t", "axis2"], ["dt3"]),  # [batch, channels, 1]
+        node("Mul", ["dt3", constants["a"]], ["dt_a"]),  # [batch, channels, state]
+        node("Exp", ["dt_a"], ["decay"]),
+        node("Mul", ["S", "decay"], ["decayed"]),
+        node("Mul", ["dt_t", "x_t"], ["dt_x"]),  # [batch, channels]
+        node("Unsqueeze", ["dt_x", "axis2"], ["dt_x3"]),
+        node("Unsqueeze", ["b_t", "axis1"], ["b3"]),  # [batch, 1, state]
+        node("Mul", ["dt_x3", "b3"], ["update"]),
+        node("Add", ["decayed", "update"], ["S_updated"]),
+        node("Unsqueeze", ["c_t", "axis1"], ["c3"]),
+        node("Mul", ["S_updated", "c3"], ["read"]),
+        node("ReduceSum", ["read", "axis2"], ["out_t"], keepdims=0),  # [batch, channels]
+    ]
+
+
 register_token_loop(TokenLoop("GatedDeltaScan", ("q", "k", "v", "g", "beta"), (), _delta_token))
 register_token_loop(TokenLoop("SsdScan", ("x", "dt", "b", "c"), ("a",), _ssd_token))
+register_token_loop(TokenLoop("SelectiveScan", ("x", "dt", "b", "c"), ("a",), _selective_token, state_rank=3))
+
+
+def _channels_last_first(x):
+    """[batch, channels, tokens] -> [tokens, batch, channels] in float32."""
+    return op.Cast(op.Transpose(x, perm=[2, 0, 1]), to=onnx.TensorProto.FLOAT)
+
+
+def selective_step(x, dt, A, B, C, D, z, dt_bias, state, past_lens, input_lens, softplus: bool):
+    """dt discretised, x, dt, B and C laid out tokens first in float32, the scan as a Loop over tokens, then D's
+    skip connection and the silu(z) gate, in x's dtype."""
+    dt = _channels_last_first(dt)  # [tokens, batch, channels]
+    if dt_bias is not None:
+        dt = op.Add(dt, op.Cast(dt_bias, to=onnx.TensorProto.FLOAT))
+    if softplus:
+        dt = op.Softplus(dt)
+    first = _channels_last_first(x)
+    start, valid = _start_and_valid(state, past_lens, input_lens, first)
+    a = op.Cast(A, to=onnx.TensorProto.FLOAT)
+    y, final = LOOPS.SelectiveScan(first, dt, _channels_last_first(B), _channels_last_first(C), valid, a, start)
+    y = op.CastLike(op.Transpose(y, perm=[1, 2, 0]), x)  # [batch, channels, tokens]
+    if D is not None:
+        y = op.Add(y, op.Mul(x, op.Unsqueeze(op.CastLike(D, x), op.Constant(value_ints=[1]))))
+    if z is not None:
+        y = op.Mul(y, op.Mul(z, op.Sigmoid(z)))
+    return y, final
 
 
 def gated_delta_step(q, k, v, g, beta, state, past_lens, input_lens, use_qk_l2norm: bool):

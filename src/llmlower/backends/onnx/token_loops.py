@@ -32,6 +32,7 @@ class TokenLoop:
     arrays: tuple[str, ...]
     constants: tuple[str, ...]
     body: Callable[[dict[str, str]], list[onnx.NodeProto]]
+    state_rank: int = 4  # [batch, ...]: the valid mask [batch] is broadcast over the rest
 
 
 REGISTERED: dict[str, TokenLoop] = {}
@@ -74,7 +75,7 @@ def _body(loop: TokenLoop, outer: list[str]) -> onnx.GraphProto:
         ),
         helper.make_node("Gather", [valid, "i"], ["valid_t"], axis=0),
         *loop.body(constants),
-        constant("state_axes", [1, 2, 3]),
+        constant("state_axes", list(range(1, loop.state_rank))),
         helper.make_node("Unsqueeze", ["valid_t", "state_axes"], ["valid4"]),
         helper.make_node("Where", ["valid4", "S_updated", "S"], ["S_next"]),
         helper.make_node("Identity", ["cond"], ["cond_next"]),
