@@ -18,19 +18,19 @@ import tvm
 
 from llmlower.api import compile_artifact
 from llmlower.backends.torch.program_executor import TorchExecutor
-from llmlower.backends.tvm.compile import cuda_source, tvm_target
+from llmlower.backends.tvm.compile import compile_module, cuda_source, tvm_target
 from llmlower.backends.tvm.int8_dot import int8_dot_product
 from llmlower.backends.tvm.low_batch import LOW_BATCH_BUCKETS, low_batch_dispatch
-from llmlower.backends.tvm.lowerings import TvmLoweringError
+from llmlower.backends.tvm.lowerings import TvmLoweringError, convert_map
 from llmlower.backends.tvm.program_executor import program_executor
-from llmlower.backends.tvm.relax_import import to_relax
+from llmlower.backends.tvm.relax_import import StepImporter, to_relax
 from llmlower.backends.tvm.silu_mul_kernel import silu_mul_kernel
 from llmlower.cli import main
 from llmlower.ir import PAGED_LATENT_ATTENTION
 from llmlower.passes import build_pipeline, run_pipeline, with_kv_layout
 from llmlower.runtime import StepBatch
 from llmlower.runtime.executor import copy_rounds
-from llmlower.runtime.executors.tvm import aligned_empty
+from llmlower.runtime.executors.tvm import aligned_empty, physical_cores, use_threads
 from llmlower.step_io import KVLayout
 from llmlower.testing import calibrated
 
@@ -199,6 +199,64 @@ def test_a_slots_program_is_refused(captures):
     program = run_pipeline(captures("llama"), build_pipeline())
     with pytest.raises(TvmLoweringError, match="lowers PAGED programs"):
         to_relax(program, tvm_target("cpu"))
+
+
+def _tvm_function(module: torch.nn.Module, x: torch.Tensor):
+    """module(x) for any number of tokens (x's first axis), imported by the TVM backend's converters and compiled by
+    its CPU pipeline (DLight schedules included)."""
+    tokens = torch.export.Dim("tokens", min=1, max=1024)
+    exported = torch.export.export(module, (x,), dynamic_shapes=({0: tokens},)).run_decompositions()
+    target = tvm_target("cpu")
+    imported = StepImporter(target).from_exported_program(exported, False, True, False, convert_map())
+    vm = tvm.relax.VirtualMachine(compile_module(imported, target), tvm.cpu())
+    return lambda x: vm["main"](tvm.runtime.tensor(x.numpy())).numpy()
+
+
+class _WrittenOutLayerNorm(torch.nn.Module):
+    """Cohere's LayerNorm (no bias), written out in mean, variance and rsqrt as transformers has it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        variance = (x - mean).pow(2).mean(-1, keepdim=True)
+        return self.weight * ((x - mean) * torch.rsqrt(variance + 1e-5))
+
+
+def test_a_written_out_layer_norm_is_exact_over_many_rows():
+    """The sum of squares is a row reduction the CPU's matmul schedule takes, its rows split in parallel chunks;
+    x - mean is computed in the same function outside those chunks, so the epilogue reading it stays after them
+    (folded into the chunks, each chunk computed every row, reading rows other threads had not normed yet:
+    Cohere's logits off by 0.15; on one thread the rows a chunk read were stale but right)."""
+    norm = _WrittenOutLayerNorm()
+    gen = torch.Generator().manual_seed(0)
+    run = _tvm_function(norm, torch.randn(5, 1, 64, generator=gen))
+    use_threads(4)
+    try:
+        for tokens in (1, 7, 64, 200):
+            x = torch.randn(tokens, 1, 64, generator=gen) * 3 + 1
+            np.testing.assert_allclose(run(x), norm(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+    finally:
+        use_threads(physical_cores())
+
+
+class _NegativeSelects(torch.nn.Module):
+    """Falcon's grouped k and v (x[..., -2, :] and x[..., -1, :] of [tokens, kv_heads, group + 2, head_dim]) and a
+    negative index on the symbolic axis (the last token)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :, -2] + 2 * x.select(2, -1) + 3 * x[-1, :, -1]
+
+
+def test_a_negative_select_index_counts_from_the_end():
+    selects = _NegativeSelects()
+    gen = torch.Generator().manual_seed(0)
+    run = _tvm_function(selects, torch.randn(5, 2, 4, 16, generator=gen))
+    for tokens in (1, 3, 9):
+        x = torch.randn(tokens, 2, 4, 16, generator=gen)
+        np.testing.assert_allclose(run(x), selects(x).numpy(), rtol=1e-6, atol=1e-6)
 
 
 @torch.library.custom_op("llmlower_test::mystery", mutates_args=())

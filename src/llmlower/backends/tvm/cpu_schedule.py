@@ -8,7 +8,9 @@ Schedule: the output columns (weight rows) are split into chunks of `ROWS_PER_CH
 activation row (in the target's widest vectors: 16 float32 lanes with AVX-512, else `LANES`); each dot product
 runs `LANES` partial sums in vector registers (`rfactor` + `vectorize`) and adds them up at the end. Producers
 the matmul reads at the activation's rows only (a reordering of x) stay whole, computed once. Elementwise
-epilogues (bias, cast, residual add) are folded into the write-back. The experts' weights have no dequantize
+epilogues (bias, cast, residual add) are folded into the write-back, those that read the matmul's output and
+otherwise only the function's inputs: an epilogue that also reads a tensor computed in the function outside the
+chunks stays after the loops (see `_reads_only_folded`). The experts' weights have no dequantize
 producer: one computed per chunk would cover every expert (its expert index is data-dependent), so they are
 dequantized where the vectorized partial sums read them, and a step reads the chosen experts' rows only.
 """
@@ -90,12 +92,31 @@ def _schedule(sch: s_tir.Schedule, block, loops, producers, consumers, unpack_la
         sch.compute_at(producer, partial_loops[0])
         _, vector = sch.split(sch.get_loops(producer)[-1], [None, unpack_lanes])
         sch.vectorize(vector)
+    folded = [sch.get(block).writes[0].source]  # what the chunk's rows hold once their dot products are done
+    made_here = [sch.get(b).writes[0].source for b in (*producers, *consumers)]
     for consumer in consumers:
+        if not _reads_only_folded(sch.get(consumer), folded, made_here):
+            continue  # stays after the matmul's loops, computed once over every row
+        written = sch.get(consumer).writes[0].source
         try:
             sch.reverse_compute_inline(consumer)
-        except s_tir.ScheduleError:  # e.g. a residual add reading another tensor too: right after each row
+        except (s_tir.ScheduleError, tvm.error.InternalError):
+            # e.g. a residual add reading another tensor too: right after each row (TVM 0.27 raises an
+            # InternalError, not a ScheduleError, for some: a norm's (x - mean) * rsqrt, x - mean an input)
             sch.reverse_compute_at(consumer, row)
+        folded.append(written)
     return sch
+
+
+def _reads_only_folded(consumer: s_tir.SBlock, folded: list, made_here: list) -> bool:
+    """Whether an epilogue may be folded into the matmul's chunk loops: it reads the matmul's output (or an
+    epilogue folded before it) and no other tensor computed in the function. One that reads such a tensor, made
+    outside the chunks (x - mean beside a norm's rsqrt), would be computed per chunk over every row, reading
+    rows that other threads' chunks have not written yet."""
+    reads = [region.source for region in consumer.reads]
+    from_matmul = any(any(buffer.same_as(f) for f in folded) for buffer in reads)
+    other = [buffer for buffer in reads if not any(buffer.same_as(f) for f in folded)]
+    return from_matmul and not any(buffer.same_as(m) for buffer in other for m in made_here)
 
 
 def _read_per_column(sch: s_tir.Schedule, block, producer) -> bool:

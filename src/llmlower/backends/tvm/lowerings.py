@@ -502,6 +502,21 @@ def addmm(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     return _emit(importer, relax.op.add(bias, _matmul_float32(importer, a, b)))
 
 
+def select(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    """x.select(dim, index): take at a single index with the axis dropped. A negative index counts from the end, as
+    in torch (TVM's own take reads it as it stands, out of bounds: falcon's x[..., -2, :] of grouped k and v); a
+    symbolic axis wraps it at run time."""
+    x, dim, index = importer.retrieve_args(node)
+    dim %= x.ty.ndim
+    size, mode = x.ty.shape[dim], "fast"
+    if isinstance(index, int) and index < 0:
+        if isinstance(size, tirx.IntImm):
+            index += int(size)
+        else:
+            mode = "wrap"
+    return _emit(importer, relax.op.take(x, relax.const(index, "int64"), dim, mode=mode))
+
+
 CONVERTERS: dict[str, Converter] = {
     RMS_NORM.name: rms_norm,
     ADD_RMS_NORM.name: add_rms_norm,
@@ -518,7 +533,12 @@ CONVERTERS: dict[str, Converter] = {
 
 
 # aten ops whose conversion by TVM's importer we replace, keyed as the importer looks them up
-ATEN_CONVERTERS: dict[str, Converter] = {"mm.default": mm, "matmul.default": mm, "addmm.default": addmm}
+ATEN_CONVERTERS: dict[str, Converter] = {
+    "mm.default": mm,
+    "matmul.default": mm,
+    "addmm.default": addmm,
+    "select.int": select,
+}
 
 
 def convert_map() -> dict[str, Converter]:
