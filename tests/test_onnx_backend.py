@@ -9,6 +9,7 @@ import torch
 
 from llmlower.backends.onnx.export import LoweringError, to_onnx
 from llmlower.backends.torch.program_executor import TorchExecutor
+from llmlower.ir import ADD_RMS_NORM
 from llmlower.passes import build_pipeline, run_pipeline
 from llmlower.runtime import StepBatch
 from llmlower.runtime.executors.onnx import OnnxSlotExecutor
@@ -146,3 +147,20 @@ def test_a_prompt_continued_in_chunks_and_mixed_steps(captures):
         executor.copy_blocks([(0, 4)])  # slot 0's first 16 positions into slot 2
     continued = _batch([2], [[40, 41]], [16])
     np.testing.assert_allclose(ours.step(continued), reference.step(continued), atol=1e-4)
+
+
+class _AddRmsNorm(torch.nn.Module):
+    def forward(self, x, residual, weight):
+        return ADD_RMS_NORM.op(x, residual, weight, 1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 16), (2, 3, 5, 16)], ids=["rows", "heads"])
+def test_add_rms_norm_lowers_any_rank(shape, onnx_session):
+    """ONNX Runtime's SkipSimplifiedLayerNormalization takes 2-D or 3-D inputs; a per-head norm of a sum (HunYuan's
+    q/k norm after rotary) is 4-D and runs as rows."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), torch.randn(16, generator=gen))
+    session, _ = onnx_session(_AddRmsNorm(), inputs)
+    got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs, strict=True)})
+    for ours, expected in zip(got, _AddRmsNorm()(*inputs), strict=True):
+        np.testing.assert_allclose(ours, expected.numpy(), atol=1e-5, rtol=1e-5)

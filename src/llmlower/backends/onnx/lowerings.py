@@ -265,8 +265,16 @@ def rms_norm(x, weight, eps: float):
 
 
 def add_rms_norm(x, residual, weight, eps: float):
-    normed, _, _, total = MSFT.SkipSimplifiedLayerNormalization(x, residual, weight, epsilon=eps)
-    return normed, total
+    """SkipSimplifiedLayerNormalization, which takes 2-D or 3-D inputs only: a sum of more dimensions (a per-head
+    q/k norm after rotary, HunYuan's) is normed as rows [-1, hidden] and shaped back."""
+    if len(x.shape) <= 3:
+        normed, _, _, total = MSFT.SkipSimplifiedLayerNormalization(x, residual, weight, epsilon=eps)
+        return normed, total
+    shape, rows = op.Shape(x), op.Constant(value_ints=[-1, x.shape[-1]])
+    normed, _, _, total = MSFT.SkipSimplifiedLayerNormalization(
+        op.Reshape(x, rows), op.Reshape(residual, rows), weight, epsilon=eps
+    )
+    return op.Reshape(normed, shape), op.Reshape(total, shape)
 
 
 def rope(x, cos, sin):
