@@ -163,6 +163,7 @@ def load_engine(
         context,
         config.num_blocks,
         config.kv_cache_memory,
+        state_bytes=spec.state_bytes,
     )
     executor = TorchExecutor(program, max_context=context, num_blocks=blocks)
     draft = None

@@ -134,6 +134,15 @@ def test_pool_size_from_memory_and_a_pool_larger_than_the_machine_is_refused():
         kv_pool_blocks(1024, 16, 4, 100, num_blocks=3, kv_cache_memory=10**6)
 
 
+def test_a_recurrent_state_is_sized_with_the_pool():
+    """A hybrid model's state (a sequence's, whatever its length) is shared out over the blocks of a sequence of
+    max_context tokens: a state as large as that sequence's KV halves what the same memory holds."""
+    sequence_kv = 1024 * 16 * 7  # 100 tokens in 7 blocks of 16
+    assert kv_pool_blocks(1024, 16, 4, 100, kv_cache_memory=16 * 1024 * 14, state_bytes=sequence_kv) == 7
+    with pytest.raises(GenerationError, match=r"needs .* GiB; this machine has .* available"):
+        kv_pool_blocks(1, 16, 4, 16, num_blocks=2**20, state_bytes=2**30)
+
+
 def _sequences(lengths: list[int]) -> list[Sequence]:
     return [Sequence(i, list(range(100 * i, 100 * i + n)), n) for i, n in enumerate(lengths)]
 

@@ -16,8 +16,8 @@ def add_roofline_parser(sub: argparse._SubParsersAction) -> None:
     roof.add_argument("-o", "--output", required=True, help="directory for report.md, report.json and the PNGs")
     roof.add_argument(
         "--pipelines",
-        help="';'-separated: baseline (canonicalize + kv_cache), fusion (the default pipeline), WORD+QUANT "
-        "(e.g. fusion+q4g32); default 'baseline;fusion;fusion+q8;fusion+q4g32'",
+        help="';'-separated: baseline (canonicalize + state_cache + kv_cache), fusion (the default pipeline), "
+        "WORD+QUANT (e.g. fusion+q4g32); default 'baseline;fusion;fusion+q8;fusion+q4g32'",
     )
     roof.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill step (default 512)")
     roof.add_argument("--batch", default="1,16", help="decode batch sizes, comma-separated (default 1,16)")

@@ -11,6 +11,12 @@ from .plot import plot_kinds, plot_roofline
 ROOFLINE_PNG, KINDS_PNG = "roofline.png", "time_by_kind.png"
 
 
+def _state_note(report: dict[str, Any]) -> str:
+    """A hybrid model's recurrent state, which every decode step reads and writes whatever the context."""
+    state = report.get("state_bytes_per_sequence", 0)
+    return f"; recurrent state: {state:,} bytes per sequence, whatever its length" if state else ""
+
+
 def _ms(seconds: float | None) -> str:
     return "–" if seconds is None else f"{seconds * 1000:,.1f}"
 
@@ -84,7 +90,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"Machine: {machine['description']} ({machine['source']}): {roofs}; memory "
         f"{machine['bandwidth'] / 1e9:,.1f} GB/s; ridge point {machine['ridge']:.1f} FLOP/byte.",
         f"Backend: {report['backend']}; step times {timing}. KV cache: {report['kv_bytes_per_token']:,} bytes "
-        "per token.",
+        f"per token{_state_note(report)}.",
         "Predicted = max(FLOPs / peak, bytes / bandwidth) of the whole step, each op's FLOPs at its own peak "
         f"({_op_roofs(report)}); % of roofline = predicted / measured.",
         "",

@@ -1,7 +1,7 @@
 """The study: compile a model through each named pipeline, cost its steps, time them on a backend, and
 gather everything into the report dict that report.py writes and plot.py draws.
 
-Pipeline words: `baseline` = canonicalize + kv_cache (every op unfused, the LM head over every position);
+Pipeline words: `baseline` = canonicalize + state_cache + kv_cache (every op unfused, the LM head over every position);
 `fusion` = the default pipeline (norm, rope, projection and qkv-attention fusion, last_token_logits);
 `WORD+QUANT` appends quantize_weights with a --quant name (q8, q4g32, q4g128-sym, ...), e.g. fusion+q4g32.
 """
@@ -34,7 +34,7 @@ from .measure import artifact_executor, build_executor, check_backend, time_step
 from .shapes import Step, decode_step, prefill_step
 
 PIPELINE_WORDS: dict[str, tuple[str, ...]] = {
-    "baseline": ("canonicalize", "kv_cache"),
+    "baseline": ("canonicalize", "state_cache", "kv_cache"),
     "fusion": DEFAULT_PIPELINE,
 }
 TOP_OPS = 5
@@ -259,6 +259,7 @@ def _report(model: str, spec: ModelSpec, ceilings: Ceilings, options: StudyOptio
         "dtype": dtype,
         "backend": options.backend,
         "kv_bytes_per_token": spec.kv_bytes_per_token(),
+        "state_bytes_per_sequence": spec.state_bytes,
         "options": {"prefill": options.prefill, "batches": list(options.batches), "context": options.context},
         "repeats": options.repeats if options.measure else 0,
         "machine": {**ceilings.to_dict(), "peak": ceilings.peak(dtype), "ridge": ceilings.ridge(dtype)},
@@ -288,7 +289,7 @@ def run_study(
             return build_executor(options.backend, timed, max_batch, max_context)
 
         results.append(study_program(word, program, ceilings, options, executor_for))
-    return _report(str(model), loaded.spec, ceilings, options, results)
+    return _report(str(model), program.spec, ceilings, options, results)  # the caches as the passes laid them out
 
 
 def artifact_passes(manifest: dict[str, Any]) -> list[PassSpec]:
@@ -309,7 +310,7 @@ def run_artifact_study(
     passes = artifact_passes(manifest)
     loaded = load(resolve_model(checkpoint), dtype=manifest["dtype"])
     compiled = ModelSpec.from_dict(manifest["spec"])
-    if loaded.spec != replace(compiled, kv_widths=None):  # the widths are the passes' cache layout
+    if loaded.spec != replace(compiled, kv_widths=None, state_bytes=0):  # the passes' cache layout
         raise LlmlowerError(f"--checkpoint {checkpoint}: its spec differs from the one in {artifact}/manifest.json")
     check_options(options, loaded.spec)
     program = run_pipeline(capture(loaded), passes)
@@ -320,4 +321,4 @@ def run_artifact_study(
     level = manifest.get("onnx", {}).get("accuracy_level", options.accuracy_level)
     options = replace(options, backend=manifest["backend"], accuracy_level=level)
     result = study_program(Path(artifact).name, program, ceilings, options, executor_for)
-    return _report(str(artifact), loaded.spec, ceilings, options, [result])
+    return _report(str(artifact), program.spec, ceilings, options, [result])

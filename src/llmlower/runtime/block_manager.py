@@ -333,14 +333,17 @@ def kv_pool_blocks(
     num_blocks: int | None = None,
     kv_cache_memory: int | None = None,
     on_host: bool = True,
+    state_bytes: int = 0,
 ) -> int:
     """The KV pool's size in blocks: `num_blocks`, or as many as `kv_cache_memory` bytes hold, or by default
-    enough for max_num_seqs sequences of max_context tokens. A pool that cannot hold one sequence of max_context
-    tokens, or one in host memory larger than the memory still available, is refused here with the numbers
-    (rather than a sequence that never fits, or the OOM killer, later)."""
+    enough for max_num_seqs sequences of max_context tokens. A hybrid model's recurrent state (`state_bytes` a
+    sequence, whatever its length) is sized with the pool: each block carries its share of the state of a sequence
+    of max_context tokens. A pool that cannot hold one sequence of max_context tokens, or one in host memory larger
+    than the memory still available, is refused here with the numbers (rather than a sequence that never fits, or
+    the OOM killer, later)."""
     if num_blocks is not None and kv_cache_memory is not None:
         raise GenerationError("give --num-blocks or --kv-cache-memory, not both")
-    block_bytes = bytes_per_token * block_size
+    block_bytes = bytes_per_token * block_size + -(-state_bytes // -(-max_context // block_size))
     if num_blocks is not None:
         blocks = num_blocks
     elif kv_cache_memory is not None:

@@ -131,6 +131,7 @@ class Engine:
             config.num_blocks,
             config.kv_cache_memory,
             on_host=manifest["target"] == "cpu",
+            state_bytes=spec.state_bytes,
         )
         executor = load_executor(artifact, manifest, num_blocks, block_size, context, threads, source)
         tokenizer = Tokenizer.from_dir(artifact)
