@@ -5,7 +5,7 @@ compile, and a starting point for anyone adding a family (add its config to TINY
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import gguf
@@ -219,11 +219,13 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def write_tiny_checkpoint(arch: str, directory: Path, **config: object) -> Path:
-    """A random `arch` model (its config changed by `config`) saved as a checkpoint directory with tokenizer
-    files and a chat template."""
+def write_tiny_checkpoint(
+    arch: str, directory: Path, factory: Callable[[], transformers.PretrainedConfig] | None = None, **config: object
+) -> Path:
+    """A random `arch` model (its config changed by `config`; made by `factory` for a family outside TINY_CONFIGS)
+    saved as a checkpoint directory with tokenizer files and a chat template."""
     torch.manual_seed(0)
-    model_config = TINY_CONFIGS[arch]()
+    model_config = (factory or TINY_CONFIGS[arch])()
     types = getattr(model_config, "layer_types", None) if layer_types_settable(model_config) else None
     if "num_hidden_layers" in config and types and "layer_types" not in config:  # one per layer, the pattern repeated
         config = {**config, "layer_types": [types[i % len(types)] for i in range(config["num_hidden_layers"])]}
