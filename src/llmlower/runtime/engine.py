@@ -11,6 +11,7 @@ thread of its own for asyncio servers).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -39,6 +40,8 @@ from .speculative import SpeculativeConfig
 from .structured import StructuredOutput
 from .tokenizer import Tokenizer
 from .weights import WeightSource
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,10 @@ class Engine:
             )
         # A cached prefix holds KV entries but not the recurrent state after it: hybrid models compute every prompt.
         prefix_caching = config.enable_prefix_caching and not executor.states
+        if config.enable_prefix_caching and not prefix_caching:
+            logger.info(
+                "prefix caching is off: this model keeps a recurrent state, which a cached prefix does not hold"
+            )
         self.blocks = BlockManager(executor.num_blocks, executor.block_size, prefix_caching, executor.blocks_per_slot)
         speculative = config.speculative
         lookahead = speculative.num_tokens if speculative else 0
