@@ -9,7 +9,7 @@ import torch
 
 from llmlower.errors import GenerationError
 from llmlower.frontend import capture, load
-from llmlower.ir import CAUSAL_CONV1D, GATED_DELTA_RULE, GATED_DELTA_STEP
+from llmlower.ir import CAUSAL_CONV1D, GATED_DELTA_RULE, GATED_DELTA_STEP, SELECTIVE_SCAN, SELECTIVE_STEP, SSD_STEP
 from llmlower.passes import FUSION, run_pipeline
 from llmlower.runtime import Engine, SamplingParams
 from llmlower.runtime.engine import EngineConfig
@@ -182,30 +182,121 @@ def test_delta_step_in_chunks_equals_the_whole_prompt(chunks):
     torch.testing.assert_close(torch.cat(outputs, dim=1), whole, atol=1e-5, rtol=1e-5)
 
 
-class _DeltaStep(torch.nn.Module):
-    def forward(self, q, k, v, g, beta, state, past_lens, input_lens):
-        return GATED_DELTA_STEP.op(q, k, v, g, beta, state, past_lens, input_lens, True)
+def test_ssd_step_equals_transformers_mamba2_scan():
+    """Mamba-2's chunked scan (chunks of 4 over 11 tokens) from a given state, with D, dt_bias and softplus."""
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid
+
+    gen = torch.Generator().manual_seed(3)
+    heads, head_dim, groups, state_size, tokens = 4, 6, 2, 5, 11
+    x = torch.randn(2, tokens, heads, head_dim, generator=gen)
+    dt, A = torch.randn(2, tokens, heads, generator=gen), -torch.rand(heads, generator=gen)
+    B, C = (torch.randn(2, tokens, groups, state_size, generator=gen) for _ in range(2))
+    D, dt_bias = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
+    state = torch.randn(2, heads, head_dim, state_size, generator=gen)
+    limits = (0.0, float("inf"))
+    lens, past = torch.tensor([tokens, tokens]), torch.tensor([2, 2])
+    ours, ours_state = SSD_STEP.op(x, dt, A, B, C, D, dt_bias, state, past, lens, True, *limits)
+    theirs, theirs_state = modeling_granitemoehybrid.mamba2_chunk_scan(
+        x, dt, A, B, C, chunk_size=4, D=D, dt_bias=dt_bias, initial_states=state, dt_softplus=True,
+        dt_limit=limits, return_final_states=True,
+    )  # fmt: skip
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours_state, theirs_state, atol=1e-4, rtol=1e-4)
 
 
-def test_delta_step_onnx_loop_matches_the_reference():
-    """Right-padded rows, one fresh: the Loop over tokens moves each row's state only at its own tokens."""
+def test_selective_scan_equals_transformers_mamba_scan():
+    """Mamba's selective scan with D, the silu(z) gate, dt_bias and softplus, from zeros (transformers' torch path
+    takes no initial state); the step's state is the scan's last."""
+    from transformers.models.jamba import modeling_jamba
+
+    gen = torch.Generator().manual_seed(4)
+    channels, state_size, tokens = 6, 5, 9
+    x, dt, z = (torch.randn(2, channels, tokens, generator=gen) for _ in range(3))
+    A = -torch.rand(channels, state_size, generator=gen)
+    B, C = (torch.randn(2, state_size, tokens, generator=gen) for _ in range(2))
+    D, dt_bias = torch.randn(channels, generator=gen), torch.randn(channels, generator=gen)
+    theirs, theirs_state = modeling_jamba.mamba_selective_scan(
+        x, dt, A, B, C, D=D, z=z, delta_bias=dt_bias, delta_softplus=True, return_last_state=True
+    )
+    torch.testing.assert_close(SELECTIVE_SCAN.op(x, dt, A, B, C, D, z, dt_bias, True), theirs, atol=1e-5, rtol=1e-5)
+    state, zero, lens = torch.randn(2, channels, state_size), torch.tensor([0, 0]), torch.tensor([tokens, tokens])
+    ours, ours_state = SELECTIVE_STEP.op(x, dt, A, B, C, D, z, dt_bias, state, zero, lens, True)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state, theirs_state, atol=1e-5, rtol=1e-5)
+
+
+class _Step(torch.nn.Module):
+    """One recurrent op with its constant arguments bound, as a module to export."""
+
+    def __init__(self, op, **constants) -> None:
+        super().__init__()
+        self.op, self.constants = op, constants
+
+    def forward(self, *tensors):
+        return self.op(*tensors, **self.constants)
+
+
+def _onnx_loop_matches(module: _Step, inputs: tuple, tokens_axis: dict[int, int], lens: list[int]) -> None:
+    """Export `module` with the step's tokens dynamic (input position -> its tokens axis), expand its Loop, and run
+    it in ONNX Runtime against the reference: outputs at each row's real tokens, and the state."""
     import onnxruntime as ort
 
     from llmlower.backends.onnx.lowerings import translations
     from llmlower.backends.onnx.token_loops import expand_token_loops
 
-    q, k, v, g, beta = _delta_inputs(3, 5, seed=2)
-    lens = torch.tensor([5, 2, 1])
-    inputs = (q, k, v, g, beta, torch.randn(3, HV, DK, DV), torch.tensor([4, 0, 9]), lens)
     tokens = torch.export.Dim("tokens", min=1, max=64)
-    shapes = tuple({1: tokens} if i < 5 else None for i in range(len(inputs)))
-    exported = torch.export.export(_DeltaStep(), inputs, dynamic_shapes=shapes)
+    shapes = tuple({tokens_axis[i]: tokens} if i in tokens_axis else None for i in range(len(inputs)))
+    exported = torch.export.export(module, inputs, dynamic_shapes=(shapes,))
     model = torch.onnx.export(exported, custom_translation_table=translations(), dynamo=True, verbose=False).model_proto
     assert expand_token_loops(model) == 1 and "Loop" in {node.op_type for node in model.graph.node}
     model.ir_version = min(model.ir_version, 10)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs, strict=True)})
-    expected = _DeltaStep()(*inputs)
-    for row, length in enumerate(lens.tolist()):
-        np.testing.assert_allclose(got[0][row, :length], expected[0][row, :length].numpy(), atol=1e-5)
+    feeds = [t for t in inputs if t is not None]
+    got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), feeds, strict=True)})
+    expected = module(*inputs)
+    axis = tokens_axis[0]
+    for row, length in enumerate(lens):
+        ours, theirs = got[0][row].swapaxes(0, axis - 1), expected[0][row].numpy().swapaxes(0, axis - 1)
+        np.testing.assert_allclose(ours[:length], theirs[:length], atol=1e-5)
     np.testing.assert_allclose(got[1], expected[1].numpy(), atol=1e-5)
+
+
+LENS, PAST = [5, 2, 1], [4, 0, 9]  # right-padded rows, one fresh: each row's state moves at its own tokens only
+
+
+def test_delta_step_onnx_loop_matches_the_reference():
+    q, k, v, g, beta = _delta_inputs(3, 5, seed=2)
+    inputs = (q, k, v, g, beta, torch.randn(3, HV, DK, DV), torch.tensor(PAST), torch.tensor(LENS))
+    _onnx_loop_matches(_Step(GATED_DELTA_STEP.op, use_qk_l2norm=True), inputs, dict.fromkeys(range(5), 1), LENS)
+
+
+def test_ssd_step_onnx_loop_matches_the_reference():
+    gen = torch.Generator().manual_seed(5)
+    x, dt = torch.randn(3, 5, 4, 6, generator=gen), torch.randn(3, 5, 4, generator=gen)
+    B, C = (torch.randn(3, 5, 2, 3, generator=gen) for _ in range(2))
+    A, D, dt_bias = -torch.rand(4, generator=gen), torch.randn(4, generator=gen), torch.randn(4, generator=gen)
+    state = torch.randn(3, 4, 6, 3, generator=gen)
+    inputs = (x, dt, A, B, C, D, dt_bias, state, torch.tensor(PAST), torch.tensor(LENS))
+    step = _Step(SSD_STEP.op, softplus=True, dt_min=0.0, dt_max=float("inf"))
+    _onnx_loop_matches(step, inputs, {0: 1, 1: 1, 3: 1, 4: 1}, LENS)
+
+
+def test_selective_step_onnx_loop_matches_the_reference():
+    gen = torch.Generator().manual_seed(6)
+    x, dt, z = (torch.randn(3, 6, 5, generator=gen) for _ in range(3))
+    B, C = (torch.randn(3, 4, 5, generator=gen) for _ in range(2))
+    A, D, dt_bias = -torch.rand(6, 4, generator=gen), torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    inputs = (
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        z,
+        dt_bias,
+        torch.randn(3, 6, 4, generator=gen),
+        torch.tensor(PAST),
+        torch.tensor(LENS),
+    )
+    _onnx_loop_matches(_Step(SELECTIVE_STEP.op, softplus=True), inputs, {0: 2, 1: 2, 3: 2, 4: 2, 6: 2}, LENS)
