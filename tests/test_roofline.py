@@ -279,7 +279,7 @@ def test_bad_pipeline_words_name_the_parameter(text, parameter):
 
 def test_pipeline_words():
     (base, base_passes), (quant, quant_passes) = parse_pipelines("baseline; fusion+q4g32")
-    assert (base, base_passes) == ("baseline", ["canonicalize", "kv_cache"])
+    assert (base, base_passes) == ("baseline", ["canonicalize", "state_cache", "kv_cache"])
     assert quant == "fusion+q4g32" and quant_passes == build_pipeline(quant="q4g32")
     assert parse_pipelines("fusion")[0][1] == list(DEFAULT_PIPELINE)
     assert parse_batches("1,16") == (1, 16)

@@ -117,8 +117,7 @@ def gated_delta_cost(batch: int, tokens: int, heads: int, dk: int, dv: int, elem
 
 def gated_delta_rule_cost(batch: int, tokens: int, heads: int, dk: int, dv: int, element_bytes: int) -> Cost:
     """As gated_delta_cost, without a state to read or write (a whole prompt from zeros)."""
-    cost = gated_delta_cost(batch, tokens, heads, dk, dv, element_bytes)
-    return Cost(cost.flops, cost.bytes - cost.kv_read_bytes - cost.kv_write_bytes)
+    return gated_delta_cost(batch, tokens, heads, dk, dv, element_bytes).without_cache_traffic()
 
 
 # the references loop over tokens: no decomposition (reference=None), every backend lowers them itself

@@ -23,6 +23,10 @@ class Cost:
     kv_read_bytes: int = 0
     kv_write_bytes: int = 0
 
+    def without_cache_traffic(self) -> Cost:
+        """The same work without the cache's reads and writes (a captured op over a whole prompt, keeping no state)."""
+        return Cost(self.flops, self.bytes - self.kv_read_bytes - self.kv_write_bytes, self.weight_bytes)
+
     @property
     def activation_bytes(self) -> int:
         return self.bytes - self.weight_bytes - self.kv_read_bytes - self.kv_write_bytes

@@ -116,8 +116,7 @@ def selective_cost(batch: int, tokens: int, channels: int, state_size: int, elem
 
 def selective_scan_cost(batch: int, tokens: int, channels: int, state_size: int, element_bytes: int) -> Cost:
     """As selective_cost, without a state to read or write (a whole prompt from zeros)."""
-    cost = selective_cost(batch, tokens, channels, state_size, element_bytes)
-    return Cost(cost.flops, cost.bytes - cost.kv_read_bytes - cost.kv_write_bytes)
+    return selective_cost(batch, tokens, channels, state_size, element_bytes).without_cache_traffic()
 
 
 # the references loop over tokens: no decomposition (reference=None), every backend lowers them itself

@@ -125,8 +125,7 @@ def ssd_cost(batch: int, tokens: int, heads: int, head_dim: int, state_size: int
 
 def ssd_scan_cost(batch: int, tokens: int, heads: int, head_dim: int, state_size: int, element_bytes: int) -> Cost:
     """As ssd_cost, without a state to read or write (a whole prompt from zeros)."""
-    cost = ssd_cost(batch, tokens, heads, head_dim, state_size, element_bytes)
-    return Cost(cost.flops, cost.bytes - cost.kv_read_bytes - cost.kv_write_bytes)
+    return ssd_cost(batch, tokens, heads, head_dim, state_size, element_bytes).without_cache_traffic()
 
 
 # the references loop over tokens: no decomposition (reference=None), every backend lowers them itself
