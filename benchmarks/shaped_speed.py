@@ -3,9 +3,10 @@ given, the same file, to the peer engines, measured in one run. Quality is not t
 random (seeded), the tokenizer SmolLM2's.
 
 Shapes: `llama-1b` (Llama-3.2-1B's: 16 layers, hidden 2048, 32 heads of 64 with 8 kv heads, MLP 8192, tied
-embeddings; 1.07 B parameters with this vocabulary) and `qwen3-moe` (Qwen3-MoE's scaled to this machine: 16 layers,
-hidden 1024, 32 experts of 1024, top-4; 1.75 B parameters, 0.30 B active) and `smollm2` (the example model's
-configuration, 135 M parameters).
+embeddings; 1.07 B parameters with this vocabulary), `qwen3-moe` (Qwen3-MoE's scaled to this machine: 16 layers,
+hidden 1024, 32 experts of 1024, top-4; 1.75 B parameters, 0.30 B active), `qwen3.5-hybrid` (Qwen3.5's pattern of
+three Gated DeltaNet layers to one attention layer, 24 layers of hidden 1024; a recurrent state per sequence beside
+a KV cache in a quarter of the layers) and `smollm2` (the example model's configuration, 135 M parameters).
 
 Rows: batch-1 decode tokens/s (64 greedy tokens after a 13-token prompt), TTFT of 512- and 2,048-token prompts
 (speed.py's loop), 16 requests of 100 prompt tokens and 128 new tokens each, all at once (vLLM's offline workload:
@@ -113,6 +114,29 @@ def qwen3_moe(vocab: int) -> transformers.PretrainedConfig:
     )
 
 
+def qwen3_5_hybrid(vocab: int) -> transformers.PretrainedConfig:
+    """Qwen3.5's layer pattern scaled to this machine: 24 layers of hidden 1024, three Gated DeltaNet layers (16
+    heads of 128) to each full-attention layer (8 heads of 256, 2 kv heads), MLP 3,584, tied embeddings."""
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=vocab,
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        intermediate_size=3584,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+        max_position_embeddings=16384,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+    )
+
+
 def smollm2(vocab: int) -> transformers.PretrainedConfig:
     """SmolLM2-135M's own configuration (the example model's), for its figures beside peers that need a checkpoint
     they can read (vLLM)."""
@@ -122,6 +146,7 @@ def smollm2(vocab: int) -> transformers.PretrainedConfig:
 SHAPES: dict[str, Callable[[int], transformers.PretrainedConfig]] = {
     "llama-1b": llama_1b,
     "qwen3-moe": qwen3_moe,
+    "qwen3.5-hybrid": qwen3_5_hybrid,
     "smollm2": smollm2,
 }
 

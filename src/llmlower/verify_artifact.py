@@ -82,23 +82,20 @@ def _state_error(ours: Executor, reference: TorchExecutor) -> tuple[str | None, 
 
 
 def compared_steps(ours: Executor, reference: TorchExecutor, vocab: int) -> Iterator[StepDifference]:
-    """The prefill of PROMPT_LENS's sequences (random token ids, seed 0; the CHUNKED one's in two chunks), then
-    DECODE_STEPS decode steps each feeding both executors the reference's greedy tokens, compared step by step on
-    the same block tables."""
+    """The prefill of PROMPT_LENS's sequences (random token ids, seed 0; the CHUNKED one's in two chunks, its second
+    beside the others' first decode), then DECODE_STEPS decode steps each feeding both executors the reference's
+    greedy tokens, compared step by step on the same block tables."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(min(FIRST_TOKEN, vocab - 1), vocab, n).tolist() for n in PROMPT_LENS]
     tables = sequential_block_tables(ours, [n + DECODE_STEPS + 1 for n in PROMPT_LENS])
     tokens = [p[:FIRST_CHUNK] if i == CHUNKED else p for i, p in enumerate(prompts)]
     past = [0] * len(PROMPT_LENS)
-    for step in range(DECODE_STEPS + 2):
+    names = ["prefill", "second chunk", *(f"decode step {i}" for i in range(1, DECODE_STEPS + 1))]
+    for name in names:
         batch = StepBatch(tokens, past, tables)
         expected, got = reference.step(batch), ours.step(batch)
         yield StepDifference(
-            "prefill"
-            if step == 0
-            else f"step {step} (decodes and the rest of a prompt)"
-            if step == 1
-            else f"decode step {step - 1}",
+            name,
             float(np.abs(got - expected).max()),
             max(1.0, float(np.abs(expected).max())),
             bool((got.argmax(-1) == expected.argmax(-1)).all()),
