@@ -15,9 +15,11 @@ BACKEND = Backend(
     summary="ONNX Runtime: GroupQueryAttention over per-sequence buffers on CPU, PagedAttention on CUDA",
     options=("accuracy_level",),
     # MatMulNBits at accuracy_level 4 (the default) quantizes activations to int8 per block: measured up to
-    # 0.034 of the logits' scale on the tiny checkpoints (q8, q4g32, q4g32-zp4, q4g128-sym, q4mix), and on
-    # SmolLM2 q4g32 up to ~1.3 of ~25 (0.05); at level 0 it computes in float32 (1.1e-6)
-    tolerance=Tolerance(rounded_activations=0.1),
+    # 0.034 of the logits' scale on the tiny checkpoints (q8, q4g32, q4g32-zp4, q4g128-sym, q4mix), on SmolLM2
+    # q4g32 up to ~1.3 of ~25 (0.05), and on SmolLM2 q4mix 0.05-0.075 a step and 0.107 on verify_artifact's
+    # second chunk (5 prompt tokens after 4); the tiny random hybrids, whose decays amplify it, 0.107 (Qwen3.5) and
+    # 0.14 (Jamba). At level 0 it computes in float32 (1.1e-6).
+    tolerance=Tolerance(rounded_activations=0.15),
     # GroupQueryAttention's PER_CHANNEL quantization (its float caches are q's dtype); CUDA's PagedAttention has none
     kv_cache_dtypes={"cpu": ("int8",)},
 )

@@ -18,7 +18,7 @@ BACKEND = Backend(
     options=("accuracy_level", "cuda_arch", "cpu", "vm_exec"),
     check="compile:check_options",
     # accuracy_level 4 (the CPU default) rounds activations to int8 per group for the grouped quantized matmuls,
-    # as ONNX Runtime's MatMulNBits does at its level 4
-    tolerance=Tolerance(rounded_activations=0.1),
+    # as ONNX Runtime's MatMulNBits does at its level 4: the same bound
+    tolerance=Tolerance(rounded_activations=0.15),
     kv_cache_dtypes={"cpu": ("float16", "int8")},  # the CUDA kernels read pools of the model's dtype
 )
