@@ -1,4 +1,4 @@
-"""The roofline study: KV bytes against the seed articles' worked examples, the cost model's FLOPs against
+"""The roofline study: KV bytes against worked examples, the cost model's FLOPs against
 the 2 x parameters x tokens rule, ceilings (int8 by ONNX Runtime's MatMulNBits), report.json against the plots,
 steps above their roofs flagged, bad input, and SmolLM2's prefill / decode placement on this machine's roofline."""
 
@@ -45,7 +45,7 @@ def kv_spec(layers: int, kv_heads: int, head_dim: int, dtype: str = "float16") -
                      8192, dtype)  # fmt: skip
 
 
-def test_kv_bytes_match_the_seed_articles_worked_examples():
+def test_kv_bytes_match_worked_examples():
     """Llama-3-70B class: ~320 KB per token; Mistral-7B style: 0.5 GB for 4,096 tokens; SmolLM2: 23,040 B."""
     assert kv_spec(80, 8, 128).kv_bytes_per_token() == 2 * 80 * 8 * 128 * 2 == 320 * 1024
     assert kv_spec(32, 8, 128).kv_cache_bytes(4096) == 536_870_912 == 2**29  # 0.5 GiB

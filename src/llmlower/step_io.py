@@ -18,10 +18,9 @@ How the cache is addressed is the program's KV layout:
 
 A hybrid model's recurrent layers keep a fixed-size state per sequence instead of a cache that grows:
 `conv_state_<layer>` (a short convolution's last inputs), `delta_state_<layer>` (Gated DeltaNet's matrices) and
-`ssm_state_<layer>` (Mamba-2's),
-[batch, ...] in the SLOTS layout, one row per slot, an input and (as present_<name>) an updated output of the step
-like the caches. A state is that of the sequence after its past_lens tokens; a sequence with past_lens 0 starts
-from zeros whatever its row holds.
+`ssm_state_<layer>` (Mamba's and Mamba-2's), [batch, ...] in the SLOTS layout, one row per slot, an input and (as
+present_<name>) an updated output of the step like the caches. A state is that of the sequence after its past_lens
+tokens; a sequence with past_lens 0 starts from zeros whatever its row holds.
 """
 
 from __future__ import annotations

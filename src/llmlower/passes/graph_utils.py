@@ -85,14 +85,10 @@ def decoder_layer(node: torch.fx.Node) -> int | None:
 def step_lengths(program: Program) -> tuple[torch.fx.Node, torch.fx.Node, list[TensorSpec]]:
     """The placeholders past_lens and input_lens [batch] of a step over a cache, added after the program's last
     input by the first pass that gives it a cache (kv_cache, state_cache); returns them and the inputs added."""
-    graph = program.graph_module.graph
+    gm = program.graph_module
     if PAST_LENS in program.input_names:
-        return placeholder(program.graph_module, PAST_LENS), placeholder(program.graph_module, INPUT_LENS), []
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    with graph.inserting_after(last):
-        past_lens = graph.placeholder(PAST_LENS)
-    with graph.inserting_after(past_lens):
-        input_lens = graph.placeholder(INPUT_LENS)
+        return placeholder(gm, PAST_LENS), placeholder(gm, INPUT_LENS), []
+    past_lens, input_lens = add_input(gm.graph, PAST_LENS), add_input(gm.graph, INPUT_LENS)
     added = [TensorSpec(PAST_LENS, "int64", ("batch",)), TensorSpec(INPUT_LENS, "int64", ("batch",))]
     return past_lens, input_lens, added
 

@@ -86,11 +86,10 @@ def _attention_sites(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, dict[st
     return [(n, readers[n.target](n)) for n in graph.nodes if n.op == "call_function" and n.target in readers]
 
 
-def _site_layers(sites: list[tuple[torch.fx.Node, dict[str, Any]]], program: Program) -> list[int]:
+def _site_layers(sites: list[tuple[torch.fx.Node, dict[str, Any]]], layers: int, recurrent: bool) -> list[int]:
     """The decoder layer of each attention node: in order, one per layer, in a model of attention layers only; in a
-    hybrid model (recurrent state in some layers) the layer torch.export recorded for each node."""
-    layers = program.spec.num_layers
-    if not any(state_layer(name) is not None for name in program.input_names):
+    `recurrent` (hybrid) model, whose other layers keep a state, the layer torch.export recorded for each node."""
+    if not recurrent:
         if len(sites) != layers:
             raise PassError(f"kv_cache: found {len(sites)} attention nodes, the config says {layers} layers")
         return list(range(layers))
@@ -117,7 +116,7 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
             "kv_cache: the graph has no scaled_dot_product_attention or causal_attention "
             "(load the model with frontend.load, which picks SDPA or llmlower's attention capture)"
         )
-    site_layers = _site_layers(sites, program)
+    site_layers = _site_layers(sites, spec.num_layers, recurrent)
     past_lens, input_lens, new_inputs = step_lengths(program)
     new_outputs: list[torch.fx.Node] = []
     output_specs: list[TensorSpec] = []

@@ -124,7 +124,7 @@ def _selective_mixer(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype: str) 
     if node.op != "call_function" or node.target is not SELECTIVE_SCAN.overload:
         return None
     x, dt, A, B, C, D, z, dt_bias, softplus = node.args
-    channels, state_size = _value(gm, A).shape if A.op == "get_attr" else tensor_meta(A).shape
+    channels, state_size = _value(gm, A).shape
 
     def call(graph: torch.fx.Graph, state: torch.fx.Node, past: torch.fx.Node, lens: torch.fx.Node) -> torch.fx.Node:
         args = (x, dt, A, B, C, D, z, dt_bias, state, past, lens, softplus)

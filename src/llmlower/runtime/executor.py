@@ -272,24 +272,7 @@ class SlotExecutor(Executor):
         for cache in self.caches.values():
             for source, destination in pairs:
                 cache[self.slot_rows(destination)] = cache[self.slot_rows(source)]
-        for source, destination in state_copies(pairs, self.blocks_per_slot):
-            for state in self.states.values():
-                state[destination] = state[source]
-
-
-def state_copies(pairs: Sequence[tuple[int, int]], blocks_per_slot: int) -> list[tuple[int, int]]:
-    """(source slot, destination slot) of the recurrent states block copies carry along: a copy of a slot's first
-    block into another slot's first block starts a sequence where the source's is (an n > 1 fork). Engines keep
-    prefix caching off for models with a recurrent state, so no other copy starts a slot."""
-    slots = []
-    for source, destination in pairs:
-        (from_slot, from_index), (to_slot, to_index) = (
-            divmod(source, blocks_per_slot),
-            divmod(destination, blocks_per_slot),
-        )
-        if from_index == to_index == 0 and from_slot != to_slot:
-            slots.append((from_slot, to_slot))
-    return slots
+        self.copy_states(pairs)
 
 
 def state_arrays(shapes: dict[str, tuple[tuple[int, ...], type]], slots: int) -> dict[str, np.ndarray]:

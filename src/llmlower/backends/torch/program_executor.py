@@ -50,9 +50,9 @@ class TorchExecutor(Executor):
         self.num_blocks = num_blocks or DEFAULT_SEQUENCES * per_sequence
         self.caches: dict[str, torch.Tensor] = {}
         # recurrent states as numpy arrays, as the runtime's executors keep them (bfloat16's in float32: numpy has none)
-        self.state_dtypes = {t.name: getattr(torch, t.dtype) for t in program.inputs}
         specs = [(t.name, t.shape, np.float16 if t.dtype == "float16" else np.float32) for t in program.inputs]
         self.states = state_arrays(state_shapes(specs), self.num_blocks // per_sequence)
+        self.state_dtypes = {t.name: getattr(torch, t.dtype) for t in program.inputs if t.name in self.states}
         if self.states and paged:
             raise GenerationError("the torch executor keeps recurrent states in the SLOTS layout only")
         for t in program.inputs:

@@ -186,9 +186,7 @@ class OnnxSlotExecutor(SlotExecutor):
         rows = np.array(slots) - first
         ids[rows, 0], past_lens[rows] = tokens, past
         saved, saved_states = {}, {}
-        if count > len(
-            slots
-        ):  # rows in between: a throwaway token at position 0, their first cache entry and state kept
+        if count > len(slots):  # rows in between: a throwaway token at position 0, their first entry and state kept
             idle = np.setdiff1d(np.arange(first, last + 1), slots)
             saved = {name: cache[idle, :, 0].copy() for name, cache in self.caches.items()}
             saved_states = {name: state[idle].copy() for name, state in self.states.items()}
