@@ -1,13 +1,16 @@
-"""canonicalize: drop export noise (asserts, identity ops), fold constants, remove dead code."""
+"""canonicalize: drop export noise (asserts, identity ops), complex values as real pairs, fold constants, remove
+dead code."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.fx
 
 from ..ir.program import ASSERT_TARGETS, Program, fetch_attr
+from .complex_pairs import lower_complex
 from .graph_utils import finish, tensor_meta
 from .registry import Pass, register_pass
 
@@ -16,6 +19,23 @@ aten = torch.ops.aten
 _ALWAYS_IDENTITY = {aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default}
 _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default}
 _NEUTRAL_SCALAR = {aten.mul.Tensor: 1, aten.div.Tensor: 1, aten.add.Tensor: 0, aten.sub.Tensor: 0}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _round_trip_reshapes(gm: torch.fx.GraphModule) -> int:
+    """A reshape of a reshape back to the first one's input shape is that input: the same values, and no symbolic
+    guard that torch cannot prove when re-exporting (Llama 4's experts flatten [experts, tokens, hidden] to rows and
+    split them back)."""
+    removed = 0
+    for node in list(gm.graph.nodes):
+        inner = node.args[0] if node.op == "call_function" and node.target in _RESHAPES else None
+        if not (isinstance(inner, torch.fx.Node) and inner.target in _RESHAPES):
+            continue
+        source, result = tensor_meta(inner.args[0]), tensor_meta(node)
+        if source is not None and result is not None and str(source.shape) == str(result.shape):
+            node.replace_all_uses_with(inner.args[0])
+            removed += 1
+    return removed
 
 
 def _is_identity(node: torch.fx.Node) -> bool:
@@ -78,9 +98,13 @@ def canonicalize(program: Program) -> tuple[Program, dict[str, Any]]:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             identities += 1
+    complex_ops = lower_complex(gm)
+    identities += _round_trip_reshapes(gm)
     folded = _fold_constants(gm)
     finish(gm)
-    return program, {"asserts_removed": asserts, "identities_removed": identities, "constants_folded": folded}
+    stats = {"asserts_removed": asserts, "identities_removed": identities, "constants_folded": folded}
+    program = replace(program, fresh_meta=program.fresh_meta and not complex_ops)
+    return program, stats | ({"complex_ops_as_real_pairs": complex_ops} if complex_ops else {})
 
 
 register_pass(
@@ -90,8 +114,9 @@ register_pass(
         explain=(
             "Removes the checks torch.export leaves in the graph (_assert_tensor_metadata, _assert_scalar, "
             "sym_constrain_range), identity ops (alias, dropout in eval, casts to the same dtype, x*1, "
-            "x+0), evaluates every subgraph that depends only on weights and literals into a constant, "
-            "and deletes nodes and weights nothing uses. Values are unchanged."
+            "x+0, a reshape back to the shape it came from), rewrites complex tensors as real (real, imaginary) "
+            "pairs (no backend has a complex dtype), evaluates every subgraph that depends only on weights and "
+            "literals into a constant, and deletes nodes and weights nothing uses. Values are unchanged."
         ),
         run=canonicalize,
     )
