@@ -126,7 +126,8 @@ def _step(
 
 
 def _reference(step: Step, k_pool: np.ndarray, v_pool: np.ndarray, window: int) -> np.ndarray:
-    """Append into the pools (in place) and attend in float64 over each row's causal (windowed) positions."""
+    """Append into the pools (in place) and attend in float64 over each row's causal positions (within a sliding
+    window or, window < 0, its own chunk)."""
     heads, group = step.q.shape[1], step.q.shape[1] // k_pool.shape[2]
     out = np.zeros_like(step.q)
     for seq, past in enumerate(step.past):
@@ -137,7 +138,8 @@ def _reference(step: Step, k_pool: np.ndarray, v_pool: np.ndarray, window: int) 
     for seq, past in enumerate(step.past):
         for row in range(step.starts[seq], step.starts[seq + 1]):
             pos = past + row - step.starts[seq]
-            j = np.arange(max(pos - window + 1, 0) if window > 0 else 0, pos + 1)
+            first = max(pos - window + 1, 0) if window > 0 else pos - pos % -window if window < 0 else 0
+            j = np.arange(first, pos + 1)
             blocks, offsets = step.tables[seq, j // BLOCK_SIZE], j % BLOCK_SIZE
             keys, values = k_pool[blocks, offsets].astype("float64"), v_pool[blocks, offsets].astype("float64")
             for h in range(heads):
@@ -147,7 +149,7 @@ def _reference(step: Step, k_pool: np.ndarray, v_pool: np.ndarray, window: int) 
     return out
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(6, 2, 0), (6, 2, 5), (4, 4, 0)])
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(6, 2, 0), (6, 2, 5), (4, 4, 0), (6, 2, -4)])
 def test_attention_appends_in_place_and_matches_numpy(heads: int, kv_heads: int, window: int) -> None:
     target = tvm_target("cpu")
     vm = relax.VirtualMachine(compile_module(_module(target, heads, kv_heads, window), target), tvm.cpu())
@@ -197,6 +199,7 @@ def test_cuda_build() -> None:
         (0.0, False, HEAD_DIM, True, 0),
         (0.0, False, HEAD_DIM, True, 5),
         (1.5, True, 24, True, 0),
+        (1.5, True, HEAD_DIM, False, -6),  # chunked local attention
     ],
 )
 def test_extras_match_the_paged_attention_reference(
@@ -242,6 +245,7 @@ def test_extras_match_the_paged_attention_reference(
         (6, 2, 0.0, False, True, 0),
         (4, 4, 0.0, True, False, 9),
         (4, 2, 0.0, True, False, 0),
+        (6, 2, 0.0, False, False, -24),  # chunks of 24: tiles of rows cross a chunk's start
     ],
 )
 def test_long_prompt_chunks_and_lone_decode_rows_match_the_paged_attention_reference(

@@ -26,6 +26,7 @@ class ModelSpec:
     dtype: str
     rope: dict[str, Any] | None = None
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None  # chunked local attention's chunk (Llama 4)
     layer_types: tuple[str, ...] | None = None
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -55,12 +56,14 @@ class ModelSpec:
         return self.kv_bytes_per_token(dtype) * context * batch
 
     def window_for_layer(self, layer: int) -> int:
-        """Sliding-window size of a layer's attention, 0 for full attention."""
-        if not self.sliding_window:
-            return 0
-        if self.layer_types is None:
+        """The attention op's `window` of a layer: its sliding window's size, minus its chunk's size for chunked
+        local attention, 0 for full attention."""
+        kind = self.layer_types[layer] if self.layer_types else None
+        if self.attention_chunk_size and kind in (None, "chunked_attention"):
+            return -self.attention_chunk_size
+        if self.sliding_window and kind in (None, "sliding_attention"):
             return self.sliding_window
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else 0
+        return 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -178,6 +178,7 @@ def spec_from_config(
         dtype=dtype,
         rope=dict(rope) if rope else None,
         sliding_window=getattr(config, "sliding_window", None),
+        attention_chunk_size=getattr(config, "attention_chunk_size", None),
         layer_types=tuple(layer_types) if layer_types else None,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         bos_token_id=_first(generation.get("bos_token_id"), config.bos_token_id),

@@ -6,7 +6,8 @@ k_cache and v_cache are [batch, kv_heads, context, head_dim]. Sequence b already
 tokens in the cache and brings input_lens[b] new ones, right-padded to `tokens`; new token t sits at
 position past_lens[b] + t. The op writes the valid new k/v into the cache at those positions and returns
 (out [batch, heads, tokens, head_dim], updated k_cache, updated v_cache). Query t attends to cache
-positions j <= past_lens[b] + t (and j > that - window when window > 0). Outputs at padded query
+positions j <= past_lens[b] + t (and j > that - window when window > 0; when window < 0, chunked local
+attention, only its own chunk's: j >= p - p % -window for p = past_lens[b] + t). Outputs at padded query
 positions are unspecified. Prefill (past_lens = 0) and decode (tokens = 1) are the same op.
 
 The extras some models need, each off by default (`attend`): `softcap` > 0 caps the scaled logits at
@@ -32,9 +33,14 @@ from .registry import NAMESPACE, Cost, OpDef, register_op
 
 def visible(keys: torch.Tensor, positions: torch.Tensor, window: int = 0) -> torch.Tensor:
     """Which cache positions `keys` a query at `positions` attends to (broadcast): causal, and within the
-    sliding window when window > 0."""
+    sliding window when window > 0, or within its own chunk of -window positions when window < 0 (Llama 4's
+    chunked local attention: positions c·chunk .. (c+1)·chunk - 1 see only each other)."""
     allowed = keys <= positions
-    return allowed & (keys > positions - window) if window > 0 else allowed
+    if window > 0:
+        return allowed & (keys > positions - window)
+    if window < 0:
+        return allowed & (keys >= positions - positions % -window)
+    return allowed
 
 
 def alibi_bias(slopes: torch.Tensor | None, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:

@@ -1,7 +1,7 @@
 """`causal_attention`: attention as transformers' attention interface calls it, captured as one op.
 
 q is [batch, heads, tokens, dk], k [batch, kv_heads, tokens, dk] and v [batch, kv_heads, tokens, dv] (kv heads
-only, before any repeat-kv); token t attends to tokens j <= t (and j > t - window when window > 0), with the
+only, before any repeat-kv); token t attends to tokens j <= t (within the window or chunk `visible` says), with the
 extras of `attention` (scale, softcap, sinks, alibi_slopes; see ir/attention.py). Returns [batch, heads, tokens,
 dv]. It has no cache: the kv_cache pass turns it into `attention`, passing every argument on, as it does SDPA. It exists
 for the models transformers runs only eagerly (Gemma 2's soft-capping, gpt-oss's sinks), which SDPA cannot

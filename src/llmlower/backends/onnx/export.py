@@ -49,7 +49,7 @@ def check_lowerable(program: Program) -> None:
     """Fail before exporting when an op of the set has no ONNX lowering, a paged attention runs in a type
     ONNX Runtime's PagedAttention lacks, or keys and values have head sizes of their own where ONNX Runtime's
     op takes one (a packed qkv; PagedAttention's v_head_size is for its latent layout only), or a paged attention
-    has ALiBi slopes (PagedAttention has no attention bias input), naming the node."""
+    has ALiBi slopes (PagedAttention has no attention bias input) or either is chunked, naming the node."""
     ours = {opdef.overload for opdef in OPS.values()}
     lowered = translations()
     gm = program.graph_module
@@ -63,14 +63,20 @@ def check_lowerable(program: Program) -> None:
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}) in {dtype}: ONNX Runtime's "
                 "PagedAttention (CUDA) runs float16 here; compile for --target cuda (float16 by default)"
             )
+        packed = node.target in CACHE_ARGUMENTS  # the paged and packed-qkv attentions
+        given = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs if packed else {}
         paged = node.target in PAGED_OPS
-        given = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True).kwargs if paged else {}
-        if given.get("k_scale") is not None:
+        if paged and given.get("k_scale") is not None:
             raise LoweringError(
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}) with an int8 pool: ONNX Runtime's "
                 "PagedAttention has no quantized cache (the CPU target's GroupQueryAttention has)"
             )
-        if given.get("alibi_slopes") is not None:
+        if given.get("window", 0) < 0:
+            raise LoweringError(
+                f"the ONNX backend cannot lower node {node.name} (op {node.target}): chunked local attention has no "
+                "attribute in ONNX Runtime's packed-qkv and paged attention (the unpacked padded layout takes it)"
+            )
+        if paged and given.get("alibi_slopes") is not None:
             raise LoweringError(
                 f"the ONNX backend cannot lower node {node.name} (op {node.target}): ONNX Runtime's PagedAttention "
                 "has no attention bias for ALiBi (the CPU target's GroupQueryAttention has; TVM's kernels too)"

@@ -64,9 +64,10 @@ def attention(
     """GroupQueryAttention over the kv-heads cache. It takes right-padded prompts with no past, or steps
     in which every sequence brings the same number of tokens (decode). Values with a head size of their own,
     which GroupQueryAttention refuses, take the standard-op decomposition instead. ALiBi is its attention_bias; an
-    int8 cache is its PER_CHANNEL quantization."""
+    int8 cache is its PER_CHANNEL quantization. Chunked local attention (window < 0), which it has no attribute
+    for, takes the decomposition too."""
     heads, head_dim = q.shape[1], q.shape[3]
-    if v.shape[3] != head_dim:
+    if v.shape[3] != head_dim or window < 0:
         return _decomposed_attention(
             q, k, v, k_cache, v_cache, past_lens, input_lens, scale, window, softcap, sinks, alibi_slopes
         )
@@ -122,7 +123,7 @@ def _repeated(x, heads: int, kv_heads: int, dim: int):
 
 def _allowed(past_lens, input_lens, tokens, keys, window: int):
     """[batch, 1, tokens, keys]: which cache positions each new token attends to (causal, in its sequence,
-    within the window)."""
+    within the window or chunk: ir/attention.py's `visible`)."""
     positions = op.Unsqueeze(_positions(past_lens, tokens), op.Constant(value_ints=[2]))
     allowed = op.And(
         op.LessOrEqual(keys, positions),
@@ -130,6 +131,9 @@ def _allowed(past_lens, input_lens, tokens, keys, window: int):
     )
     if window > 0:
         allowed = op.And(allowed, op.Greater(keys, op.Sub(positions, op.Constant(value_int=window))))
+    elif window < 0:
+        start = op.Sub(positions, op.Mod(positions, op.Constant(value_int=-window)))
+        allowed = op.And(allowed, op.GreaterOrEqual(keys, start))
     return op.Unsqueeze(allowed, op.Constant(value_ints=[1]))
 
 

@@ -5,9 +5,10 @@ The runtime's block table is the single source of truth (no TVM PagedKVCache obj
 `query_start [S + 1]` says which rows are whose, `past_lens [S]` how many tokens each already has, and
 `block_tables [S, max_blocks]` where position p of sequence s lives: block `block_tables[s, p // block_size]`,
 offset `p % block_size`. N, S, max_blocks and num_blocks are symbolic; table entries past a sequence's last
-block are never read. Every loop is bounded by the row's own sequence (causal, optionally a sliding window),
-never by the pool, and softmax is online in float32 whatever the dtype. MLA's latent cache (one kv head, the
-latent in k_pool and the rotary key in v_pool) is attended by the same kernel, its keys read from both pools.
+block are never read. Every loop is bounded by the row's own sequence (causal, optionally a sliding window or
+a local chunk), never by the pool, and softmax is online in float32 whatever the dtype. MLA's latent cache (one kv
+head, the latent in k_pool and the rotary key in v_pool) is attended by the same kernel, its keys read from both
+pools.
 
 In-place pools: the append (and the block copy) are `relax.call_tir_inplace` on the pool parameters of the
 Relax function, so the VM writes into the caller's tensors; TVM 0.27's pipeline (LegalizeOps, FuseOps/FuseTIR,
@@ -294,13 +295,14 @@ def attention_kernel(
     vector_lanes: int = LANES,
 ) -> tirx.PrimFunc:
     """out[row, h] = softmax(scale * q·K) · V over the row's own positions lo..pos (lo = pos - window + 1 with a
-    sliding window, else 0). CPU: one task per (row, kv head), each pass over a key serving its query heads, whose
-    dot products run in vector-wide partial sums that a block's keys then reduce together (_sum_keys); a prompt
-    chunk's rows are taken prefill_tile_rows at a time instead (one task per tile and kv head), so that
-    each key is read once for the tile's rows x query heads, whose scores run in vector lanes (q transposed); a
-    row alone in its tile (a decode row) keeps the one-row path. With fewer than SPLIT_TASKS tasks (a few decode
-    rows: SmolLM2's 3 kv heads would leave one of 2 threads idle a third of the time), each decode row's blocks
-    are split into ranges attended as tasks of their own, whose partial softmaxes are then merged.
+    sliding window, the start of pos's chunk with chunked local attention (window < 0), else 0). CPU: one task per
+    (row, kv head), each pass over a key serving its query heads, whose dot products run in vector-wide partial sums
+    that a block's keys then reduce together (_sum_keys); a prompt chunk's rows are taken prefill_tile_rows at a
+    time instead (one task per tile and kv head), so that each key is read once for the tile's rows x query heads,
+    whose scores run in vector lanes (q transposed); a row alone in its tile (a decode row) keeps the one-row path.
+    With fewer than SPLIT_TASKS tasks (a few decode rows: SmolLM2's 3 kv heads would leave one of 2 threads idle a
+    third of the time), each decode row's blocks are split into ranges attended as tasks of their own, whose partial
+    softmaxes are then merged.
     CUDA: one thread block per (row, head), CUDA_THREADS positions per tile. The extras of ir/attention.py:
     softcap > 0 caps each logit at softcap * tanh(logit / softcap); with `sinks`, head h's sink logit sinks[h]
     (the kernel's sinks argument, [heads] float32, read only then) starts the online softmax as a key with no
@@ -338,8 +340,15 @@ def attention_kernel(
             score = capped(score)
         if alibi:
             score = score + slope_v * T.Cast("float32", j - pos)
-        valid = tirx.all(t_lo <= t, t < t_hi, j <= pos, *([pos - window < j] if window > 0 else []))
+        valid = tirx.all(t_lo <= t, t < t_hi, j <= pos, *([first_key(pos) <= j] if window else []))
         return T.if_then_else(valid, score, T.float32(NEG))
+
+    def first_key(pos):  # noqa: ANN001, ANN202 (a TIR expression)
+        """The first position a query at `pos` sees: its sliding window's (window > 0), its chunk's (window < 0,
+        chunked local attention), else 0."""
+        if window > 0:
+            return T.max(pos - window + 1, 0)
+        return pos - T.floormod(pos, -window) if window < 0 else 0
 
     @T.prim_func(s_tir=True, private=True)
     def paged_attention(
@@ -389,7 +398,7 @@ def attention_kernel(
                         h: T.let[T.int32] = task % heads
                         _sequence_of(seq, query_start, num_seqs, row)
                         pos: T.let[T.int32] = past_lens[seq[0]] + row - query_start[seq[0]]
-                        lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
+                        lo: T.let[T.int32] = first_key(pos)
                         m[0] = sink[h] if sinks else T.float32(NEG)
                         total[0] = T.float32(1.0) if sinks else T.float32(0.0)
                         for i in T.serial(value_dims_per_thread):
@@ -446,8 +455,8 @@ def attention_kernel(
             longest[0] = 0
             for s in T.serial(num_seqs):
                 longest[0] = T.max(longest[0], past_lens[s] + query_start[s + 1] - query_start[s])
-            if window > 0:
-                longest[0] = T.min(longest[0], window + block_size)
+            if window != 0:
+                longest[0] = T.min(longest[0], abs(window) + block_size)
             splits: T.int32 = T.max(  # key ranges of a decode row, each at least SPLIT_BLOCKS of the longest's
                 T.min(SPLIT_TASKS // T.max(n * kv_heads, 1), longest[0] // (SPLIT_BLOCKS * block_size)), 1
             )
@@ -480,7 +489,7 @@ def attention_kernel(
                     lead: T.let[T.int32] = offset - offset % tile_rows  # the first row of this row's tile
                     rows: T.let[T.int32] = _rows_in_tile(query_start, seq, offset, tile_rows)
                     pos: T.let[T.int32] = past_lens[seq[0]] + offset
-                    lo: T.let[T.int32] = T.max(pos - window + 1, 0) if window > 0 else 0
+                    lo: T.let[T.int32] = first_key(pos)
                     per_split: T.let[T.int32] = T.ceildiv(pos // block_size + 1 - lo // block_size, splits)
                     b_lo: T.let[T.int32] = lo // block_size + split * per_split  # this task's blocks
                     b_hi: T.let[T.int32] = T.min(b_lo + per_split, pos // block_size + 1)
@@ -571,7 +580,7 @@ def attention_kernel(
                             slope_t = T.sblock_alloc_buffer((queries,), "float32")  # and its head's ALiBi slope
                             first: T.let[T.int32] = past_lens[seq[0]] + offset  # the tile's first position
                             last: T.let[T.int32] = first + rows - 1
-                            lo_t: T.let[T.int32] = T.max(first - window + 1, 0) if window > 0 else 0
+                            lo_t: T.let[T.int32] = first_key(first)
                             for v in T.serial(queries):  # q transposed: a key's value scales every query
                                 if v // group < rows:  # each query's row of q read whole, a vector at a time
                                     for d in T.vectorized(key_dim):
