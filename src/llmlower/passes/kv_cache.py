@@ -9,7 +9,8 @@ they are.
 Masks become dead (the op is causal over the cache) and are removed. The program gains inputs past_lens,
 input_lens and one k/v cache pair per layer (each of its own head size), and returns the updated caches after
 the logits: prefill and decode are this one graph. In a hybrid model, whose other layers keep a recurrent state
-(state_cache runs first), each cache is named by its node's decoder layer.
+(state_cache runs first), each cache is named by its node's decoder layer. Positions the model counted itself
+as arange(tokens) become the step's position_ids (token_positions.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..ir.program import Program, TensorSpec, cache_names
 from ..step_io import cache_layer, state_layer
 from .graph_utils import add_input, decoder_layer, finish, replace_uses, step_lengths, tensor_meta
 from .registry import Pass, register_pass
+from .token_positions import positions_from_arange
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -174,10 +176,13 @@ def kv_cache(program: Program) -> tuple[Program, dict[str, Any]]:
 
     output = graph.output_node()
     output.args = (tuple(output.args[0]) + tuple(new_outputs),)
+    graph.eliminate_dead_code()  # the masks' aranges go: those left count the tokens of a step
+    counted = positions_from_arange(gm)
     finish(gm)
     rewritten = program.with_signature(program.inputs + new_inputs, program.outputs + output_specs)
     rewritten.spec = replace(spec, kv_widths=cache_widths(new_inputs, spec.num_layers))
-    return rewritten, {"matches": len(sites), "kv_heads": spec.num_kv_heads, "heads": heads}
+    stats = {"matches": len(sites), "kv_heads": spec.num_kv_heads, "heads": heads}
+    return rewritten, stats | ({"positions_from_arange": counted} if counted else {})
 
 
 def cache_widths(inputs: list[TensorSpec], layers: int) -> tuple[int, ...]:
