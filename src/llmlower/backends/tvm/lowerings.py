@@ -10,6 +10,7 @@ schedules take.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -517,6 +518,16 @@ def select(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     return _emit(importer, relax.op.take(x, relax.const(index, "int64"), dim, mode=mode))
 
 
+def full_like(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
+    """torch.full_like: an infinite or NaN fill (a router's -inf before its top-k scatter, Llama 4's) as the
+    constant broadcast to x's shape, which TVM legalizes; its own full_like fails there (topi.full is handed a
+    PrimType where it checks for a float dtype name)."""
+    x, value = importer.retrieve_args(node)[:2]
+    if not (isinstance(value, float) and not math.isfinite(value)) or node.kwargs.get("dtype") is not None:
+        return importer._full_like(node)
+    return _emit(importer, relax.op.broadcast_to(relax.const(value, x.ty.dtype), x.ty.shape))
+
+
 CONVERTERS: dict[str, Converter] = {
     RMS_NORM.name: rms_norm,
     ADD_RMS_NORM.name: add_rms_norm,
@@ -538,6 +549,7 @@ ATEN_CONVERTERS: dict[str, Converter] = {
     "matmul.default": mm,
     "addmm.default": addmm,
     "select.int": select,
+    "full_like.default": full_like,
 }
 
 
