@@ -40,6 +40,19 @@ HELD_OUT = {
         max_position_embeddings=128,
     ),  # fmt: skip
     "hunyuan_v1_dense": lambda: transformers.HunYuanDenseV1Config(**COMMON, head_dim=16, pad_token_id=0),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(  # latent attention with a complex rotary
+        **{**COMMON, "num_key_value_heads": 4},
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    ),
     "olmo_hybrid": lambda: transformers.OlmoHybridConfig(**{**COMMON, "num_hidden_layers": 4}, pad_token_id=0),
     "bamba": lambda: transformers.BambaConfig(**{**COMMON, "num_hidden_layers": 3}, attn_layer_indices=[1], **MAMBA2),
     "falcon_mamba": lambda: transformers.FalconMambaConfig(

@@ -103,6 +103,19 @@ TINY_CONFIGS = {
         qk_nope_head_dim=16,
         v_head_dim=16,
     ),
+    # complex rotary on chunked local attention (chunks of 8), a last layer without rotary whose queries scale with
+    # the position (attention temperature), experts (a shared one, sigmoid top-1) in every other layer
+    "llama4": lambda: transformers.Llama4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4},
+        head_dim=16,
+        intermediate_size_mlp=128,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        attention_chunk_size=8,
+        floor_scale=4,
+        attn_scale=0.1,
+    ),
     "bloom": lambda: transformers.BloomConfig(  # ALiBi, eager attention of its own
         vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=BOS, eos_token_id=EOS, initializer_range=0.1
     ),
