@@ -60,50 +60,68 @@ def _start_and_valid(state, past_lens, input_lens, tokens_first):
 
 
 def _delta_token(constants: dict[str, str]) -> list[onnx.NodeProto]:
-    """One token of the delta rule: S decays by exp(g), takes k beta (v - k S), and is read by q."""
+    """One token of the delta rule: S decays by exp(g), takes k beta (v - k S), and is read by q. S is read once
+    for both q S and k S (one MatMul), and the output q S' = exp(g) q S + (q · k) delta needs no second read."""
     node = onnx.helper.make_node
     return [
-        constant("axes23", [2, 3]),
         constant("axis2", [2]),
         constant("axis3", [3]),
-        node("Exp", ["g_t"], ["decay"]),
-        node("Unsqueeze", ["decay", "axes23"], ["decay4"]),
-        node("Mul", ["S", "decay4"], ["decayed"]),  # [batch, heads, dk, dv]
-        node("Unsqueeze", ["k_t", "axis3"], ["k4"]),  # [batch, heads, dk, 1]
-        node("Mul", ["decayed", "k4"], ["k_decayed"]),
-        node("ReduceSum", ["k_decayed", "axis2"], ["predicted"], keepdims=0),  # [batch, heads, dv]
+        constant("first", [0]),
+        constant("second", [1]),
+        node("Exp", ["g_t"], ["decay"]),  # [batch, heads]
+        node("Unsqueeze", ["decay", "axis2"], ["decay3"]),
+        node("Unsqueeze", ["decay3", "axis3"], ["decay4"]),
+        node("Unsqueeze", ["q_t", "axis2"], ["q3"]),  # [batch, heads, 1, dk]
+        node("Unsqueeze", ["k_t", "axis2"], ["k3"]),
+        node("Concat", ["q3", "k3"], ["qk"], axis=2),  # [batch, heads, 2, dk]
+        node("MatMul", ["qk", "S"], ["qk_S"]),  # [batch, heads, 2, dv]: the state's one read
+        node("Gather", ["qk_S", "first"], ["q_S"], axis=2),
+        node("Gather", ["qk_S", "second"], ["k_S"], axis=2),
+        node("Squeeze", ["q_S", "axis2"], ["q_S3"]),  # [batch, heads, dv]
+        node("Squeeze", ["k_S", "axis2"], ["k_S3"]),
+        node("Mul", ["k_S3", "decay3"], ["predicted"]),
         node("Sub", ["v_t", "predicted"], ["error"]),
         node("Unsqueeze", ["beta_t", "axis2"], ["beta3"]),
-        node("Mul", ["error", "beta3"], ["delta"]),
+        node("Mul", ["error", "beta3"], ["delta"]),  # [batch, heads, dv]
         node("Unsqueeze", ["delta", "axis2"], ["delta4"]),  # [batch, heads, 1, dv]
-        node("Mul", ["k4", "delta4"], ["update"]),
+        node("Unsqueeze", ["k_t", "axis3"], ["k4"]),  # [batch, heads, dk, 1]
+        node("MatMul", ["k4", "delta4"], ["update"]),  # k delta^T
+        node("Mul", ["S", "decay4"], ["decayed"]),
         node("Add", ["decayed", "update"], ["S_updated"]),
-        node("Unsqueeze", ["q_t", "axis3"], ["q4"]),
-        node("Mul", ["S_updated", "q4"], ["read"]),
-        node("ReduceSum", ["read", "axis2"], ["out_t"], keepdims=0),
+        node("Mul", ["q_t", "k_t"], ["q_times_k"]),
+        node("ReduceSum", ["q_times_k", "axis2"], ["q_dot_k"]),  # [batch, heads, 1]
+        node("Mul", ["q_S3", "decay3"], ["q_S_decayed"]),
+        node("Mul", ["q_dot_k", "delta"], ["q_update"]),
+        node("Add", ["q_S_decayed", "q_update"], ["out_t"]),
     ]
 
 
 def _ssd_token(constants: dict[str, str]) -> list[onnx.NodeProto]:
-    """One token of Mamba-2's scan: S decays by exp(dt A), takes dt x B^T, and is read by C."""
+    """One token of Mamba-2's scan: S decays by exp(dt A), takes dt x B^T, and is read by C, as
+    S' C = exp(dt A) S C + (B · C) dt x: S is read once (one MatMul) besides its update."""
     node = onnx.helper.make_node
     return [
-        constant("axes23", [2, 3]),
         constant("axis2", [2]),
         constant("axis3", [3]),
         node("Mul", ["dt_t", constants["a"]], ["dt_a"]),  # [batch, heads]
         node("Exp", ["dt_a"], ["decay"]),
-        node("Unsqueeze", ["decay", "axes23"], ["decay4"]),
-        node("Mul", ["S", "decay4"], ["decayed"]),  # [batch, heads, head_dim, state]
+        node("Unsqueeze", ["decay", "axis2"], ["decay3"]),
+        node("Unsqueeze", ["decay3", "axis3"], ["decay4"]),
+        node("Unsqueeze", ["c_t", "axis3"], ["c4"]),  # [batch, heads, state, 1]
+        node("MatMul", ["S", "c4"], ["S_c"]),  # [batch, heads, head_dim, 1]: the state's one read
+        node("Squeeze", ["S_c", "axis3"], ["S_c3"]),
         node("Unsqueeze", ["dt_t", "axis2"], ["dt3"]),
         node("Mul", ["dt3", "x_t"], ["dt_x"]),  # [batch, heads, head_dim]
         node("Unsqueeze", ["dt_x", "axis3"], ["dt_x4"]),
         node("Unsqueeze", ["b_t", "axis2"], ["b4"]),  # [batch, heads, 1, state]
-        node("Mul", ["dt_x4", "b4"], ["update"]),
+        node("MatMul", ["dt_x4", "b4"], ["update"]),  # dt x B^T
+        node("Mul", ["S", "decay4"], ["decayed"]),  # [batch, heads, head_dim, state]
         node("Add", ["decayed", "update"], ["S_updated"]),
-        node("Unsqueeze", ["c_t", "axis2"], ["c4"]),
-        node("Mul", ["S_updated", "c4"], ["read"]),
-        node("ReduceSum", ["read", "axis3"], ["out_t"], keepdims=0),  # [batch, heads, head_dim]
+        node("Mul", ["b_t", "c_t"], ["b_times_c"]),
+        node("ReduceSum", ["b_times_c", "axis2"], ["b_dot_c"]),  # [batch, heads, 1]
+        node("Mul", ["S_c3", "decay3"], ["S_c_decayed"]),
+        node("Mul", ["b_dot_c", "dt_x"], ["c_update"]),
+        node("Add", ["S_c_decayed", "c_update"], ["out_t"]),  # [batch, heads, head_dim]
     ]
 
 
@@ -128,9 +146,12 @@ def _selective_token(constants: dict[str, str]) -> list[onnx.NodeProto]:
     ]
 
 
-register_token_loop(TokenLoop("GatedDeltaScan", ("q", "k", "v", "g", "beta"), (), _delta_token))
-register_token_loop(TokenLoop("SsdScan", ("x", "dt", "b", "c"), ("a",), _ssd_token))
-register_token_loop(TokenLoop("SelectiveScan", ("x", "dt", "b", "c"), ("a",), _selective_token, state_rank=3))
+# a padded token leaves the state as it is: decay exp(0) = 1 and a write weighted by 0
+register_token_loop(
+    TokenLoop("GatedDeltaScan", ("q", "k", "v", "g", "beta"), (), _delta_token, idle={"g": 0.0, "beta": 0.0})
+)
+register_token_loop(TokenLoop("SsdScan", ("x", "dt", "b", "c"), ("a",), _ssd_token, idle={"dt": 0.0}))
+register_token_loop(TokenLoop("SelectiveScan", ("x", "dt", "b", "c"), ("a",), _selective_token, idle={"dt": 0.0}))
 
 
 def _channels_last_first(x):

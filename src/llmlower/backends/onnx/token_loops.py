@@ -5,7 +5,9 @@ lowering therefore emits a stand-in node of this module's domain, with the outpu
 `expand_token_loops` turns each stand-in into its Loop once the model is exported. A stand-in takes token-first
 arrays [tokens, ...] (each iteration reads token i of them), the mask `valid` [tokens, batch] of each sequence's
 real tokens, constants the body reads whole, and the state to start from last; its body says how one token moves
-the state S and what it outputs. A sequence's state moves only at its valid tokens.
+the state S and what it outputs. A sequence's state moves only at its valid tokens: at the others, the loop's
+`idle` inputs (a decay's exponent 0, a write's weight 0) are given the values that leave S exactly as it is, so
+that no pass over the state masks it.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ FLOAT = onnx.TensorProto.FLOAT
 @dataclass(frozen=True)
 class TokenLoop:
     """A stand-in op: its per-token arrays, the constants its body reads whole, and the body's nodes, which read
-    `S` and `<name>_t` (token i of each array) and the constants by name and write `S_updated` and `out_t`."""
+    `S` and `<name>_t` (token i of each array) and the constants by name and write `S_updated` and `out_t`. `idle`
+    names per-token arrays of [batch, n] and the value each takes at a padded token, with which the body leaves S
+    unchanged to the bit."""
 
     name: str
     arrays: tuple[str, ...]
     constants: tuple[str, ...]
     body: Callable[[dict[str, str]], list[onnx.NodeProto]]
-    state_rank: int = 4  # [batch, ...]: the valid mask [batch] is broadcast over the rest
+    idle: dict[str, float]
 
 
 REGISTERED: dict[str, TokenLoop] = {}
@@ -65,19 +69,28 @@ def constant(name: str, values: list[int]) -> onnx.NodeProto:
 
 
 def _body(loop: TokenLoop, outer: list[str]) -> onnx.GraphProto:
-    """(i, cond, S) -> (cond, S', out_i): token i of the outer arrays, the loop's own nodes, the valid mask applied."""
+    """(i, cond, S) -> (cond, S', out_i): token i of the outer arrays (the idle ones where the token is padding),
+    then the loop's own nodes."""
     arrays, valid = outer[: len(loop.arrays)], outer[len(loop.arrays)]
     constants = dict(zip(loop.constants, outer[len(loop.arrays) + 1 : -1], strict=True))
     nodes = [
-        *(
-            helper.make_node("Gather", [name, "i"], [f"{role}_t"], axis=0)
-            for role, name in zip(loop.arrays, arrays, strict=True)
-        ),
         helper.make_node("Gather", [valid, "i"], ["valid_t"], axis=0),
+        constant("batch_axes", [1]),
+        helper.make_node("Unsqueeze", ["valid_t", "batch_axes"], ["valid2"]),  # [batch, 1]
+    ]
+    for role, name in zip(loop.arrays, arrays, strict=True):
+        if role not in loop.idle:
+            nodes.append(helper.make_node("Gather", [name, "i"], [f"{role}_t"], axis=0))
+            continue
+        idle = numpy_helper.from_array(np.array(loop.idle[role], dtype=np.float32))
+        nodes += [
+            helper.make_node("Gather", [name, "i"], [f"{role}_given"], axis=0),
+            helper.make_node("Constant", [], [f"{role}_idle"], value=idle),
+            helper.make_node("Where", ["valid2", f"{role}_given", f"{role}_idle"], [f"{role}_t"]),
+        ]
+    nodes += [
         *loop.body(constants),
-        constant("state_axes", list(range(1, loop.state_rank))),
-        helper.make_node("Unsqueeze", ["valid_t", "state_axes"], ["valid4"]),
-        helper.make_node("Where", ["valid4", "S_updated", "S"], ["S_next"]),
+        helper.make_node("Identity", ["S_updated"], ["S_next"]),
         helper.make_node("Identity", ["cond"], ["cond_next"]),
     ]
     return helper.make_graph(
