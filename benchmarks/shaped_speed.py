@@ -8,19 +8,21 @@ hidden 1024, 32 experts of 1024, top-4; 1.75 B parameters, 0.30 B active), `qwen
 three Gated DeltaNet layers to one attention layer, 24 layers of hidden 1024; a recurrent state per sequence beside
 a KV cache in a quarter of the layers) and `smollm2` (the example model's configuration, 135 M parameters).
 
-Rows: batch-1 decode tokens/s (64 greedy tokens after a 13-token prompt), TTFT of 512- and 2,048-token prompts
-(speed.py's loop), 16 requests of 100 prompt tokens and 128 new tokens each, all at once (vLLM's offline workload:
-output tokens / wall time; prefix caching off, so each repeat prefills again; llmlower's step budget a batch job's,
---offline-budget, as vLLM's LLM class takes 4096 tokens a step on a CPU by default); for each engine the bytes a
-decoded token reads and the share of the machine's measured bandwidth its decode reaches. Peers, set up by
-benchmarks/peers/setup.sh: llama.cpp (its own converter, then its quantizer: --llamacpp Q4_0,Q4_K_M), ONNX Runtime
-GenAI's builder (its CPU int4 defaults: --genai) and vLLM's CPU build (--vllm: bf16 where the CPU computes it, else
-float32). Bytes a token reads: llmlower from the roofline cost model on the artifact's own pipeline (the chosen
-experts only), peers from their model files (dense shapes only: their files hold every expert).
+Rows: batch-1 decode tokens/s (64 greedy tokens after a 13-token prompt, and after the longest prompt: its context's
+KV reads), TTFT of 512- and 2,048-token prompts (--prompt-tokens; speed.py's loop), 16 requests of 100 prompt tokens
+and 128 new tokens each, all at once (vLLM's offline workload: output tokens / wall time; prefix caching off, so
+each repeat prefills again; llmlower's step budget a batch job's, --offline-budget, as vLLM's LLM class takes 4096
+tokens a step on a CPU by default); for each engine the bytes a decoded token reads and the share of the machine's
+measured bandwidth its decode reaches. Peers, set up by benchmarks/peers/setup.sh: llama.cpp (its own converter,
+then its quantizer: --llamacpp Q4_0,Q4_K_M), ONNX Runtime GenAI's builder (its CPU int4 defaults: --genai) and
+vLLM's CPU build (--vllm: bf16 where the CPU computes it, else float32). Bytes a token reads: llmlower from the
+roofline cost model on the artifact's own pipeline (the chosen experts only), peers from their model files (dense
+shapes only: their files hold every expert).
 
     .venv/bin/python benchmarks/shaped_speed.py [--shape llama-1b] [--quants q4mix,q4g32-sym] [--lm-head-bits 4]
         [--scale-dtypes auto,float16] [--kv-cache-dtypes auto,float16] [--backends onnx] [--llamacpp Q4_0] [--genai]
-        [--vllm] [--new-tokens 64] [--offline-budget 2048] [--repeats 3] [--threads N] [--json FILE]
+        [--vllm] [--new-tokens 64] [--prompt-tokens 13,512,2048] [--offline-budget 2048] [--repeats 3] [--threads N]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ from llmlower.runtime.cpu_features import host_cpu_flags
 
 PEERS = Path(__file__).parent / "peers"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-PROMPT_TOKENS = (13, 512, 2048)  # the first is the decode's prompt
+PROMPT_TOKENS = "13,512,2048"  # the first is the decode's prompt; decode is also timed after the last
+MTP_FAMILIES = {"qwen3_5_text", "qwen3_next"}  # llama.cpp's converter looks for their multi-token-prediction layers
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_NEW = 16, 100, 128
 OFFLINE_BUDGET = 2048  # tokens a step for the 16 requests: every prompt in one step, as vLLM's offline engine runs
 OFFLINE = f"offline_{OFFLINE_REQUESTS}_tokens_per_s"  # the 16 requests' figure in a row (vllm_offline.py's name)
@@ -211,6 +214,9 @@ def llamacpp_gguf(checkpoint: Path, directory: Path, kind: str) -> Path:
             "runpy.run_path(sys.argv[0], run_name='__main__')"
         )
         command = [sys.executable, "-c", convert, str(source / "convert_hf_to_gguf.py"), str(checkpoint)]
+        config = json.loads((checkpoint / "config.json").read_text())
+        if config["model_type"] in MTP_FAMILIES and not config.get("mtp_num_hidden_layers"):
+            command.append("--no-mtp")  # the converter otherwise expects multi-token-prediction layers
         subprocess.run(
             [*command, "--outtype", "f16", "--outfile", str(f16)], check=True, env=environment, stdout=sys.stderr
         )
@@ -255,11 +261,13 @@ def machine(ceilings: Ceilings) -> str:
     return f"{ceilings.description}; {isa}; {ceilings.bandwidth / 1e9:.1f} GB/s measured"
 
 
-def print_table(rows: dict[str, dict]) -> None:
-    """The rows as a Markdown table, decode also as a ratio to the first llama.cpp row."""
+def print_table(rows: dict[str, dict], prompt_tokens: list[int]) -> None:
+    """The rows as a Markdown table, decode also as a ratio to the first llama.cpp row and after the longest
+    prompt."""
     llamacpp = next((row["decode_tokens_per_s"] for name, row in rows.items() if name.startswith("llama.cpp")), None)
-    ttfts = [f"TTFT {n}" for n in PROMPT_TOKENS[1:]]
-    header = ["engine", "batch-1 decode tok/s", "vs llama.cpp", *ttfts, "16 requests tok/s", "MB/token", "roof"]
+    ttfts = [f"TTFT {n}" for n in prompt_tokens[1:]]
+    header = ["engine", "batch-1 decode tok/s", "vs llama.cpp", f"decode at {prompt_tokens[-1]}", *ttfts]
+    header += ["16 requests tok/s", "MB/token", "roof"]
     print("| " + " | ".join(header) + " |")
     print("|---" + "|---:" * (len(header) - 1) + "|")
     for name, row in rows.items():
@@ -267,7 +275,8 @@ def print_table(rows: dict[str, dict]) -> None:
         cells = [
             _cell(decode, "{:.1f}"),
             _cell(decode / llamacpp if llamacpp else None, "{:.2f}x"),
-            *(_cell(row.get(f"ttft_{n}_s"), "{:.2f} s") for n in PROMPT_TOKENS[1:]),
+            _cell(row.get("decode_long_tokens_per_s"), "{:.1f}"),
+            *(_cell(row.get(f"ttft_{n}_s"), "{:.2f} s") for n in prompt_tokens[1:]),
             _cell(row.get(OFFLINE), "{:.1f}"),
             _cell(read / 1e6 if read else None, "{:.1f}"),
             _cell(row.get("roof_pct"), "{:.0f}%"),
@@ -297,6 +306,11 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build (setup.sh vllm)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument(
+        "--prompt-tokens",
+        default=PROMPT_TOKENS,
+        help="prompt lengths timed to their first token, comma-separated, ascending (decode follows first and last)",
+    )
+    parser.add_argument(
         "--offline-budget",
         type=int,
         default=OFFLINE_BUDGET,
@@ -319,11 +333,12 @@ def main() -> None:
     config = SHAPES[args.shape](vocab)
     checkpoint = write_checkpoint(workdir / "checkpoint", config)
     ceilings = machine_ceilings("cpu")
-    filler = [1000 + i % 40000 for i in range(max(PROMPT_TOKENS))]
-    prompts = {n: filler[:n] for n in PROMPT_TOKENS}
+    prompt_tokens = [int(n) for n in args.prompt_tokens.split(",")]
+    filler = [1000 + i % 40000 for i in range(max(prompt_tokens))]
+    prompts = {n: filler[:n] for n in prompt_tokens}
     offline = [[2000 + 37 * i + j for j in range(OFFLINE_PROMPT)] for i in range(OFFLINE_REQUESTS)]
-    context = max(PROMPT_TOKENS) + args.new_tokens + 1
-    read_context = PROMPT_TOKENS[0] + args.new_tokens // 2
+    context = max(prompt_tokens) + args.new_tokens + 1
+    read_context = prompt_tokens[0] + args.new_tokens // 2
     head, row_suffix, directory_suffix = {}, "", ""  # the LM head's option, and what it adds to the names
     if args.lm_head_bits:
         head = {"lm_head_bits": args.lm_head_bits}
@@ -406,7 +421,7 @@ def main() -> None:
     print(f"{args.shape}, {report['parameters'] / 1e9:.2f} B parameters; {report['machine']}")
     print(f"16 requests: llmlower at {args.offline_budget} tokens a step (--offline-budget)")
     print(f"{report['date']}, commit {commit}; medians of {args.repeats}")
-    print_table(rows)
+    print_table(rows, prompt_tokens)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

@@ -132,23 +132,31 @@ def llmlower_executor(executor: Executor) -> tuple[Prefill, Decode]:
 
 
 def measure(prefill: Prefill, decode: Decode, prompts: dict[int, list[int]], new_tokens: int, repeats: int) -> dict:
+    """Per repeat, each prompt's prefill timed (TTFT), and greedy decode speed after the shortest prompt and after
+    the longest (its context's KV reads): medians."""
     ttft = {n: [] for n in prompts}
-    speeds = []
+    speeds = {n: [] for n in (min(prompts), max(prompts))}
     for _ in range(repeats):
         for n, ids in prompts.items():
             started = time.perf_counter()
-            prefill(ids)
+            logits = prefill(ids)
             ttft[n].append(time.perf_counter() - started)
-        ids = prompts[PROMPT_TOKENS[0]]
-        token = int(prefill(ids).argmax())
-        started = time.perf_counter()
-        for step in range(new_tokens - 1):
-            token = int(decode(token, len(ids) + step).argmax())
-        speeds.append((new_tokens - 1) / (time.perf_counter() - started))
+            if n in speeds:
+                speeds[n].append(decode_speed(decode, int(logits.argmax()), len(ids), new_tokens))
     return {
-        "decode_tokens_per_s": statistics.median(speeds),
+        "decode_tokens_per_s": statistics.median(speeds[min(prompts)]),
+        "decode_long_tokens_per_s": statistics.median(speeds[max(prompts)]),
+        "decode_long_context": max(prompts),
         **{f"ttft_{n}_s": statistics.median(times) for n, times in ttft.items()},
     }
+
+
+def decode_speed(decode: Decode, token: int, position: int, new_tokens: int) -> float:
+    """Tokens/s of new_tokens - 1 greedy steps from `token` at `position`."""
+    started = time.perf_counter()
+    for step in range(new_tokens - 1):
+        token = int(decode(token, position + step).argmax())
+    return (new_tokens - 1) / (time.perf_counter() - started)
 
 
 def artifact(

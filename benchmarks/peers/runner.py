@@ -49,18 +49,22 @@ def report(
     decode_speed: Callable[[list[int], int], float],
     extra: dict[str, float] | None = None,
 ) -> None:
-    """Each repeat times every prompt's prefill, then the decode after the shortest prompt, as
+    """Each repeat times every prompt's prefill, then the decode after the shortest prompt and after the longest, as
     benchmarks/speed.py does; prints the medians (and `extra` figures of the runner's own) as one JSON line
     (progress on stderr)."""
     ttft: dict[int, list[float]] = {n: [] for n in prompts}
-    speeds = []
+    speeds, long_speeds = [], []
     for repeat in range(args.repeats):
         for n, ids in prompts.items():
             ttft[n].append(prefill_time(ids))
         speeds.append(decode_speed(prompts[min(prompts)], args.new_tokens))
-        print(f"[{name}] repeat {repeat}: {speeds[-1]:.1f} tok/s", file=sys.stderr)
+        long_speeds.append(decode_speed(prompts[max(prompts)], args.new_tokens))
+        after_longest = f"{long_speeds[-1]:.1f} after the longest prompt"
+        print(f"[{name}] repeat {repeat}: {speeds[-1]:.1f} tok/s ({after_longest})", file=sys.stderr)
     row = {
         "decode_tokens_per_s": statistics.median(speeds),
+        "decode_long_tokens_per_s": statistics.median(long_speeds),
+        "decode_long_context": max(prompts),
         **{f"ttft_{n}_s": statistics.median(times) for n, times in ttft.items()},
         "engine": engine,
         "version": version,
