@@ -26,14 +26,15 @@ def positions_from_arange(gm: torch.fx.GraphModule) -> int:
     graph = gm.graph
     ids, positions = placeholder(gm, INPUT_IDS), placeholder(gm, POSITION_IDS)
     tokens = tensor_meta(ids).shape[1]
+    live = _outputs_depend_on(graph)  # not what only export's shape asserts read (a mask left before canonicalize)
     rewritten = 0
     for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target in _ARANGES and _counts(node, tokens)):
+        if not (node in live and node.target in _ARANGES and _counts(node, tokens)):
             continue
         with graph.inserting_before(node):
             batch = graph.call_function(aten.sym_size.int, (positions, 0))
-        _rebatch(node, tokens, batch)
-        node.replace_all_uses_with(positions)
+        _rebatch(node, tokens, batch, live)
+        node.replace_all_uses_with(positions, delete_user_cb=lambda user: user in live)
         rewritten += 1
     return rewritten
 
@@ -45,15 +46,26 @@ def _counts(node: torch.fx.Node, tokens: torch.SymInt) -> bool:
     return meta is not None and meta.dim() == 1 and str(meta.shape[0]) == str(tokens) and (start, step) == (0, 1)
 
 
-def _rebatch(arange: torch.fx.Node, tokens: torch.SymInt, batch: torch.fx.Node) -> None:
-    """Check every use downstream of `arange` is elementwise up to a reshape to [1, tokens, ...], and make that
-    reshape's leading 1 the batch."""
-    frontier = list(arange.users)
+def _outputs_depend_on(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes the graph's outputs are computed from."""
+    live, frontier = set(), [graph.output_node()]
+    while frontier:
+        node = frontier.pop()
+        if node not in live:
+            live.add(node)
+            frontier += node.all_input_nodes
+    return live
+
+
+def _rebatch(arange: torch.fx.Node, tokens: torch.SymInt, batch: torch.fx.Node, live: set[torch.fx.Node]) -> None:
+    """Check every use downstream of `arange` that the outputs depend on is elementwise up to a reshape to [1,
+    tokens, ...], and make that reshape's leading 1 the batch."""
+    frontier = [user for user in arange.users if user in live]
     while frontier:
         node = frontier.pop()
         meta = tensor_meta(node)
         if meta is not None and meta.dim() == 1 and str(meta.shape[0]) == str(tokens):
-            frontier += node.users  # still [tokens]: an elementwise op (a cast, arithmetic with scalars)
+            frontier += [user for user in node.users if user in live]  # still [tokens]: an elementwise op
             continue
         shape = node.args[1] if node.target in _RESHAPES else None
         if shape is None or len(shape) < 2 or shape[0] != 1 or str(_size(shape[1])) != str(tokens):
