@@ -100,6 +100,21 @@ def test_a_dense_model_is_left_unchanged(tiny_checkpoints):
     assert program.history[-1].stats["conv"] == 0 and len(program.graph_module.graph.nodes) == nodes
 
 
+@pytest.mark.parametrize("options", [{"awq": True}, {"gptq": True}], ids=["awq", "gptq"])
+def test_calibrated_passes_run_on_a_hybrid_model(tiny_checkpoints, options):
+    """AWQ, GPTQ and an int8 KV cache run the program on calibration text, its recurrent states included (int4 on
+    a tiny random model is too coarse to verify against float: the program is run instead)."""
+    from llmlower.api import compile_program, with_kv_cache_dtype
+    from llmlower.ir.program import example_inputs
+    from llmlower.passes import build_pipeline
+
+    pipeline = with_kv_cache_dtype(build_pipeline(quant="q4g32", **options), "int8", "float32")
+    _, program = compile_program(tiny_checkpoints["qwen3_5"], pipeline)
+    assert {record.name for record in program.history} >= {"state_cache", "kv_cache_dtype", *options}
+    outputs = program(**example_inputs(program, batch=2, tokens=3, context=8))
+    assert all(bool(value.isfinite().all()) for value in outputs.values())
+
+
 @pytest.fixture(scope="module")
 def lfm2_onnx(tiny_checkpoints, compiled):
     return compiled(tiny_checkpoints["lfm2"], "onnx")
