@@ -44,6 +44,32 @@ def test_mistral_window_applies_to_every_layer(tiny_checkpoints):
     assert [spec.window_for_layer(i) for i in range(spec.num_layers)] == [6, 6]
 
 
+def test_llama4_layers_take_chunks_and_its_nope_layer_all_positions(tiny_checkpoints):
+    spec = load(tiny_checkpoints["llama4"]).spec
+    assert [spec.window_for_layer(i) for i in range(spec.num_layers)] == [-8, -8, -8, 0]
+
+
+def test_a_multimodal_checkpoint_loads_its_language_model(tiny_checkpoints, tmp_path):
+    """Llama 4 (and Qwen3.5) are published as image + text models: their config nests the text model's, and the
+    compiled model is the causal LM transformers builds from it, with the checkpoint's language weights."""
+    import transformers
+    from safetensors.torch import load_file
+
+    text = transformers.AutoConfig.from_pretrained(tiny_checkpoints["llama4"])
+    vision = transformers.Llama4VisionConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+        patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32,
+    )  # fmt: skip
+    config = transformers.Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    directory = _copy(tiny_checkpoints["llama4"], tmp_path)
+    transformers.Llama4ForConditionalGeneration(config).save_pretrained(directory)
+    loaded = load(directory)
+    assert (loaded.spec.architecture, loaded.spec.hidden_size, loaded.spec.num_layers) == ("Llama4ForCausalLM", 64, 4)
+    assert loaded.spec.window_for_layer(0) == -8
+    saved = load_file(directory / "model.safetensors")["language_model.model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(loaded.module.model.layers[0].self_attn.q_proj.weight, saved)
+
+
 def _copy(src, tmp_path):
     return shutil.copytree(src, tmp_path / "ckpt")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +103,9 @@ def _load_directory(directory: Path, dtype: str) -> LoadedModel:
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{directory}: transformers could not load the checkpoint: {exc}") from None
     generation = read_json(directory / "generation_config.json", required=False) or {}
-    spec = spec_from_config(config, generation, tokenizer, dtype)
-    return LoadedModel(module, spec, tokenizer, directory)
+    # the config the causal LM was built with: a multimodal checkpoint's (Llama 4, Qwen3.5) holds its text model's
+    spec = spec_from_config(module.config, generation, tokenizer, dtype)
+    return LoadedModel(module, replace(spec, architecture=type(module).__name__), tokenizer, directory)
 
 
 def _tokenizer_files(directory: Path) -> TokenizerFiles:
