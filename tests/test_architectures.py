@@ -24,26 +24,10 @@ PROMPTS = [
 NEW_TOKENS = 8
 BACKENDS = ["onnx", "tvm", "mlir"]
 FORKED = 1  # the prompt answered twice (n = 2)
-# what a backend refuses, in one line, of the hybrid families: TVM's PAGED layout carries no recurrent state yet,
-# and MLIR has no lowering of the delta rule's loop over tokens
+# what a backend refuses, in one line, of the hybrid families: TVM's PAGED layout carries no recurrent state yet
 HYBRID_REFUSALS = {
-    **{
-        (family, "tvm"): "recurrent state"
-        for family in (
-            "lfm2",
-            "qwen3_5",
-            "qwen3_next",
-            "jamba",
-            "granitemoehybrid",
-            "nemotron_h",
-            "falcon_h1",
-            "mamba2",
-        )
-    },
-    ("qwen3_5", "mlir"): "gated_delta_step",
-    ("qwen3_next", "mlir"): "gated_delta_step",
-    ("jamba", "mlir"): "selective_step",
-    **{(family, "mlir"): "ssd_step" for family in ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2")},
+    (family, "tvm"): "recurrent state"
+    for family in ("lfm2", "qwen3_5", "qwen3_next", "jamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2")
 }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .registry import NAMESPACE, Cost, OpDef, register_op
+from .token_scan import scan_tokens
 
 
 def _heads_first(
@@ -44,15 +45,14 @@ def delta_recurrence(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence over [batch, hv, tokens, ...] inputs (from _heads_first) and a float32 state; a row's state
     moves only at its `valid` [batch, tokens] positions. Returns out [batch, hv, tokens, dv] and the last state."""
-    outputs = []
-    for t in range(q.shape[2]):
-        decayed = state * g[:, :, t].exp()[..., None, None]
-        predicted = (decayed * k[:, :, t, :, None]).sum(dim=-2)
-        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
-        updated = decayed + k[:, :, t, :, None] * delta[:, :, None, :]
-        outputs.append((updated * q[:, :, t, :, None]).sum(dim=-2))
-        state = torch.where(valid[:, t, None, None, None], updated, state)
-    return torch.stack(outputs, dim=2), state
+
+    def update(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:  # one token's
+        decayed = state * g.exp()[..., None, None]
+        delta = (v - (decayed * k[..., None]).sum(dim=-2)) * beta[..., None]
+        updated = decayed + k[..., None] * delta[..., None, :]
+        return (updated * q[..., None]).sum(dim=-2), updated
+
+    return scan_tokens(update, state, (q, k, v, g, beta), valid, torch.zeros_like(v))
 
 
 def gated_delta_rule_reference(
@@ -120,13 +120,13 @@ def gated_delta_rule_cost(batch: int, tokens: int, heads: int, dk: int, dv: int,
     return gated_delta_cost(batch, tokens, heads, dk, dv, element_bytes).without_cache_traffic()
 
 
-# the references loop over tokens: no decomposition (reference=None), every backend lowers them itself
 GATED_DELTA_RULE = register_op(
     OpDef(
         "gated_delta_rule",
         torch.ops.llmlower.gated_delta_rule,
         "Gated DeltaNet over a whole prompt from a zero state (as captured)",
         gated_delta_rule_cost,
+        gated_delta_rule_reference,
     )
 )
 GATED_DELTA_STEP = register_op(
@@ -135,5 +135,6 @@ GATED_DELTA_STEP = register_op(
         torch.ops.llmlower.gated_delta_step,
         "Gated DeltaNet over a step's new tokens, from and to each sequence's recurrent state",
         gated_delta_cost,
+        gated_delta_step_reference,
     )
 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .registry import NAMESPACE, Cost, OpDef, register_op
+from .token_scan import scan_tokens
 
 
 def selective_recurrence(
@@ -26,13 +27,12 @@ def selective_recurrence(
     """The scan over float32 x and discretised dt [batch, channels, tokens], B and C [batch, state_size, tokens] and
     a float32 state; a row's state moves only at its `valid` [batch, tokens] positions. Returns C S (without D's
     skip and the gate) [batch, channels, tokens] and the last state."""
-    outputs = []
-    for t in range(x.shape[2]):
-        step = dt[:, :, t, None]
-        updated = torch.exp(A.float() * step) * state + step * B[:, None, :, t] * x[:, :, t, None]
-        outputs.append((updated * C[:, None, :, t]).sum(dim=-1))
-        state = torch.where(valid[:, t, None, None], updated, state)
-    return torch.stack(outputs, dim=2), state
+
+    def update(state: torch.Tensor, x, dt, B, C, A) -> tuple[torch.Tensor, torch.Tensor]:  # one token's
+        updated = torch.exp(A * dt[..., None]) * state + dt[..., None] * B[:, None, :] * x[..., None]
+        return (updated * C[:, None, :]).sum(dim=-1), updated
+
+    return scan_tokens(update, state, (x, dt, B, C), valid, torch.zeros_like(x), (A.float(),))
 
 
 def _discretised(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool) -> torch.Tensor:
@@ -119,13 +119,13 @@ def selective_scan_cost(batch: int, tokens: int, channels: int, state_size: int,
     return selective_cost(batch, tokens, channels, state_size, element_bytes).without_cache_traffic()
 
 
-# the references loop over tokens: no decomposition (reference=None), every backend lowers them itself
 SELECTIVE_SCAN = register_op(
     OpDef(
         "selective_scan",
         torch.ops.llmlower.selective_scan,
         "Mamba's selective scan over a whole prompt (as captured)",
         selective_scan_cost,
+        selective_scan_reference,
     )
 )
 SELECTIVE_STEP = register_op(
@@ -134,5 +134,6 @@ SELECTIVE_STEP = register_op(
         torch.ops.llmlower.selective_step,
         "Mamba's selective scan over a step's new tokens, from and to each sequence's recurrent state",
         selective_cost,
+        selective_step_reference,
     )
 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .registry import NAMESPACE, Cost, OpDef, register_op
+from .token_scan import scan_tokens
 
 
 def _heads_first(
@@ -44,13 +45,13 @@ def ssd_recurrence(
     """The scan over [batch, heads, tokens, ...] inputs (from _heads_first) and a float32 state; a row's state moves
     only at its `valid` [batch, tokens] positions. Returns S C (without D's skip) [batch, heads, tokens, head_dim]
     and the last state."""
-    outputs = []
-    for t in range(x.shape[2]):
-        decay = torch.exp(dt[:, :, t] * A.float())[..., None, None]
-        updated = state * decay + (dt[:, :, t, None] * x[:, :, t])[..., None] * B[:, :, t, None, :]
-        outputs.append((updated * C[:, :, t, None, :]).sum(dim=-1))
-        state = torch.where(valid[:, t, None, None, None], updated, state)
-    return torch.stack(outputs, dim=2), state
+
+    def update(state: torch.Tensor, x, dt, B, C, A) -> tuple[torch.Tensor, torch.Tensor]:  # one token's
+        decay = torch.exp(dt * A)[..., None, None]
+        updated = state * decay + (dt[..., None] * x)[..., None] * B[:, :, None, :]
+        return (updated * C[:, :, None, :]).sum(dim=-1), updated
+
+    return scan_tokens(update, state, (x, dt, B, C), valid, torch.zeros_like(x), (A.float(),))
 
 
 def ssd_scan_reference(
@@ -128,9 +129,14 @@ def ssd_scan_cost(batch: int, tokens: int, heads: int, head_dim: int, state_size
     return ssd_cost(batch, tokens, heads, head_dim, state_size, element_bytes).without_cache_traffic()
 
 
-# the references loop over tokens: no decomposition (reference=None), every backend lowers them itself
 SSD_SCAN = register_op(
-    OpDef("ssd_scan", torch.ops.llmlower.ssd_scan, "Mamba-2's scan over a whole prompt (as captured)", ssd_scan_cost)
+    OpDef(
+        "ssd_scan",
+        torch.ops.llmlower.ssd_scan,
+        "Mamba-2's scan over a whole prompt (as captured)",
+        ssd_scan_cost,
+        ssd_scan_reference,
+    )
 )
 SSD_STEP = register_op(
     OpDef(
@@ -138,5 +144,6 @@ SSD_STEP = register_op(
         torch.ops.llmlower.ssd_step,
         "Mamba-2's scan over a step's new tokens, from and to each sequence's recurrent state",
         ssd_cost,
+        ssd_step_reference,
     )
 )

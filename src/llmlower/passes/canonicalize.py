@@ -11,7 +11,7 @@ import torch.fx
 
 from ..ir.program import ASSERT_TARGETS, Program, fetch_attr
 from .complex_pairs import lower_complex
-from .graph_utils import finish, tensor_meta
+from .graph_utils import RESHAPES, finish, tensor_meta
 from .registry import Pass, register_pass
 
 aten = torch.ops.aten
@@ -19,7 +19,6 @@ aten = torch.ops.aten
 _ALWAYS_IDENTITY = {aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default}
 _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default}
 _NEUTRAL_SCALAR = {aten.mul.Tensor: 1, aten.div.Tensor: 1, aten.add.Tensor: 0, aten.sub.Tensor: 0}
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _round_trip_reshapes(gm: torch.fx.GraphModule) -> int:
@@ -28,8 +27,8 @@ def _round_trip_reshapes(gm: torch.fx.GraphModule) -> int:
     split them back)."""
     removed = 0
     for node in list(gm.graph.nodes):
-        inner = node.args[0] if node.op == "call_function" and node.target in _RESHAPES else None
-        if not (isinstance(inner, torch.fx.Node) and inner.target in _RESHAPES):
+        inner = node.args[0] if node.op == "call_function" and node.target in RESHAPES else None
+        if not (isinstance(inner, torch.fx.Node) and inner.target in RESHAPES):
             continue
         source, result = tensor_meta(inner.args[0]), tensor_meta(node)
         if source is not None and result is not None and str(source.shape) == str(result.shape):

@@ -27,7 +27,7 @@ from ..ir.norms import ADD_RMS_NORM, RMS_NORM
 from ..ir.program import LOGITS, Program, fetch_attr
 from ..ir.quant import QuantScheme, dequantize, quantize
 from ..ir.silu_mul import SILU_MUL
-from .graph_utils import finish, lm_head, output_node_for
+from .graph_utils import RESHAPES, finish, lm_head, output_node_for
 from .kv_cache_dtype import calibration_inputs
 from .patterns import is_constant
 from .quantize_weights import QuantPlan, as_linear
@@ -35,7 +35,6 @@ from .quantize_weights import QuantPlan, as_linear
 aten = torch.ops.aten
 
 ALPHAS = tuple(i / 20 for i in range(21))
-RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 SEARCH_TOKENS = 256  # calibration rows each group's search scores (evenly spaced over the text)
 
 

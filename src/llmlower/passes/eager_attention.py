@@ -27,7 +27,7 @@ from ..errors import PassError
 from ..ir.attention import alibi_bias, attend, visible
 from ..ir.causal_attention import CAUSAL_ATTENTION
 from ..ir.program import INPUT_IDS, Program, example_inputs
-from .graph_utils import finish, replace_uses, tensor_meta
+from .graph_utils import RESHAPES, finish, replace_uses, tensor_meta
 from .registry import Pass, register_pass
 
 aten = torch.ops.aten
@@ -35,10 +35,9 @@ SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 SCORES = {aten.bmm.default, aten.matmul.default, aten.baddbmm.default}  # q·kᵀ (baddbmm: plus a bias)
 WEIGHTED = {aten.bmm.default, aten.matmul.default}  # weights·v
 SIZES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _CASTS = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default, aten.alias.default}
 # ops between a tensor and a reshaped view of it, which q, k and v are followed back through
-_SHAPES = _RESHAPES | _CASTS | {aten.transpose.int, aten.permute.default, aten.expand.default, aten.unsqueeze.default}
+_SHAPES = RESHAPES | _CASTS | {aten.transpose.int, aten.permute.default, aten.expand.default, aten.unsqueeze.default}
 # ops that may lie between q·kᵀ and the softmax: f and the bias
 _ELEMENTWISE = {
     aten.add.Tensor,
@@ -50,7 +49,7 @@ _ELEMENTWISE = {
     aten.where.self,
     aten.where.ScalarOther,
 }
-_WEIGHTS_PATH = _RESHAPES | _CASTS | {aten.dropout.default}  # softmax -> weights·v (dropout: eval mode)
+_WEIGHTS_PATH = RESHAPES | _CASTS | {aten.dropout.default}  # softmax -> weights·v (dropout: eval mode)
 BATCH, TOKENS = 2, 7  # the recorded run
 PROBES = [2.0**k for k in range(41)]  # the constants q·kᵀ is replaced by (those whose square the dtype holds)
 BENT = 1.7  # f(2p) / f(p) where a soft-cap is fitted: tanh has bent enough for a well-conditioned fit
@@ -146,7 +145,7 @@ def _site(softmax: torch.fx.Node, dependent: set[torch.fx.Node]) -> Site | None:
     if weighted is None:
         raise PassError(f"eager_attention: {softmax.name}'s weights do not go into one matmul with the values")
     out = weighted
-    if tensor_meta(out).dim() != 4 and len(out.users) == 1 and next(iter(out.users)).target in _RESHAPES:
+    if tensor_meta(out).dim() != 4 and len(out.users) == 1 and next(iter(out.users)).target in RESHAPES:
         out = next(iter(out.users))  # [batch * heads, tokens, dv] viewed as [batch, heads, tokens, dv]
     q, k = (_heads_first(x) for x in scores.args[-2:])
     v = _heads_first(weighted.args[1])

@@ -14,11 +14,10 @@ from ..ir.attention import ATTENTION
 from ..ir.program import POSITION_IDS, Program, fetch_attr
 from ..ir.qkv_attention import QKV_ATTENTION
 from ..ir.rope import ROPE
-from .graph_utils import finish, placeholder, replace_uses, tensor_meta
+from .graph_utils import RESHAPES, finish, placeholder, replace_uses, tensor_meta
 from .registry import Pass, register_pass
 
 aten = torch.ops.aten
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _head_split(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int, torch.fx.Node] | None:
@@ -26,7 +25,7 @@ def _head_split(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int, torch.fx.
     if node.target is not aten.transpose.int or sorted(node.args[1:]) != [1, 2]:
         return None
     view = node.args[0]
-    if view.target not in _RESHAPES or view.args[0].target is not aten.slice.Tensor:
+    if view.target not in RESHAPES or view.args[0].target is not aten.slice.Tensor:
         return None
     source, dim, start, end = view.args[0].args[:4]
     return (source, start, end, view) if dim in (-1, 2) else None
@@ -49,7 +48,7 @@ def _packed_output(out: torch.fx.Node) -> torch.fx.Node | None:
     while len(node.users) == 1:
         user = next(iter(node.users))
         if (
-            user.target in _RESHAPES
+            user.target in RESHAPES
             and tensor_meta(user) is not None
             and tensor_meta(user).shape == tensor_meta(node).shape
         ):
@@ -57,7 +56,7 @@ def _packed_output(out: torch.fx.Node) -> torch.fx.Node | None:
         elif user.target is aten.transpose.int and sorted(user.args[1:]) == [1, 2] and len(user.users) == 1:
             packed = next(iter(user.users))
             meta = tensor_meta(packed)
-            return packed if packed.target in _RESHAPES and meta is not None and meta.dim() == 3 else None
+            return packed if packed.target in RESHAPES and meta is not None and meta.dim() == 3 else None
         else:
             return None
     return None

@@ -9,6 +9,10 @@ import torch.fx
 
 from ..ir.program import INPUT_LENS, PAST_LENS, Program, TensorSpec
 
+aten = torch.ops.aten
+# the aten ops that give a tensor another shape over the same elements, as torch.export records them
+RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
+
 
 def remove_unused_constants(gm: torch.fx.GraphModule) -> None:
     """Drop get_attr nodes nobody reads and the weights/buffers only they referenced."""

@@ -28,13 +28,12 @@ from ..ir.attention import ATTENTION
 from ..ir.causal_attention import CAUSAL_ATTENTION
 from ..ir.program import Program, TensorSpec, cache_names
 from ..step_io import cache_layer, state_layer
-from .graph_utils import add_input, decoder_layer, finish, replace_uses, step_lengths, tensor_meta
+from .graph_utils import RESHAPES, add_input, decoder_layer, finish, replace_uses, step_lengths, tensor_meta
 from .registry import Pass, register_pass
 from .token_positions import positions_from_arange
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
-_RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 _REPEAT_INTERLEAVE = {aten.repeat_interleave.self_int}
 
 
@@ -51,7 +50,7 @@ def _kv_source(node: torch.fx.Node) -> torch.fx.Node:
         return node
     if node.target in _REPEAT_INTERLEAVE and node.args[2:3] == (1,):
         return node.args[0]
-    if node.target in _RESHAPES:
+    if node.target in RESHAPES:
         expand = node.args[0]
         if expand.op == "call_function" and expand.target is aten.expand.default:
             unsqueeze = expand.args[0]

@@ -14,11 +14,10 @@ import torch.fx
 
 from ..errors import PassError
 from ..step_io import INPUT_IDS, POSITION_IDS
-from .graph_utils import placeholder, tensor_meta
+from .graph_utils import RESHAPES, placeholder, tensor_meta
 
 aten = torch.ops.aten
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def positions_from_arange(gm: torch.fx.GraphModule) -> int:
@@ -67,7 +66,7 @@ def _rebatch(arange: torch.fx.Node, tokens: torch.SymInt, batch: torch.fx.Node, 
         if meta is not None and meta.dim() == 1 and str(meta.shape[0]) == str(tokens):
             frontier += [user for user in node.users if user in live]  # still [tokens]: an elementwise op
             continue
-        shape = node.args[1] if node.target in _RESHAPES else None
+        shape = node.args[1] if node.target in RESHAPES else None
         if shape is None or len(shape) < 2 or shape[0] != 1 or str(_size(shape[1])) != str(tokens):
             raise PassError(
                 f"kv_cache: {node.name} ({node.target}) computes from the tokens' positions as arange(tokens), "

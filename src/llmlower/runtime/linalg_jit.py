@@ -14,22 +14,22 @@ import numpy as np
 from ..errors import LlmlowerError
 
 # torch-mlir's reference backend pipeline (torch_mlir_e2e_test/linalg_on_tensors_backends/refbackend.py): the
-# function's results come back through a callback (refback-munge-calling-conventions), one per result signature
+# function's results come back through a callback (refback-munge-calling-conventions), one per result signature.
+# Unlike refback, no sparse tensor passes (the modules have none; their bufferization refuses the loops of the
+# recurrent ops, whose carried tensors are reallocated, which allow-return-allocs-from-loops permits), and the
+# deallocation pipeline runs on the module, where it may add the helper function a loop's buffers need.
 LOWERING = (
     "func.func(linalg-generalize-named-ops)",
     "func.func(linalg-fuse-elementwise-ops)",
     "convert-shape-to-std",
-    "sparse-assembler{direct-out}",
-    "sparsification-and-bufferization",
-    "sparse-storage-specifier-to-llvm",
     "func.func(expand-realloc)",
     "func.func(refback-generalize-tensor-pad)",
     "func.func(refback-generalize-tensor-concat)",
     "func.func(tm-tensor-bufferize)",
-    "one-shot-bufferize{copy-before-write bufferize-function-boundaries "
+    "one-shot-bufferize{allow-return-allocs-from-loops copy-before-write bufferize-function-boundaries "
     "function-boundary-type-conversion=identity-layout-map}",
     "refback-mlprogram-bufferize",
-    "func.func(buffer-deallocation-pipeline)",
+    "buffer-deallocation-pipeline",
     "inline",
     "refback-munge-calling-conventions",
     "func.func(tm-tensor-to-loops)",
