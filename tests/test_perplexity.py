@@ -124,3 +124,23 @@ def test_passes_explain_one(capsys):
     assert main(["passes", "--explain", "quantize_weights"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("quantize_weights") and "MatMulNBits" in out and "kv_cache" not in out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "jamba"])
+def test_a_hybrid_models_perplexity_is_transformers(family, tiny_checkpoints):
+    """A hybrid model (recurrent states beside the KV cache) scores through the torch reference: transformers' own
+    perplexity of the text, every window from a fresh state."""
+    import torch
+    import transformers
+
+    from llmlower.api import text_perplexity
+
+    checkpoint = tiny_checkpoints[family]
+    result, _ = text_perplexity(checkpoint, "keys and values, caches and states " * 4, build_pipeline(all_logits=True))
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = transformers.AutoTokenizer.from_pretrained(checkpoint)("keys and values, caches and states " * 4)["input_ids"]
+    assert len(ids) <= 512  # one window: the whole text from the first token
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    expected = math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
+    assert result.perplexity == pytest.approx(expected, rel=1e-4)

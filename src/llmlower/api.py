@@ -361,8 +361,9 @@ def text_perplexity(
         executor, tokenizer, history = engine.executor, engine.tokenizer, read_manifest(model, verify=False)["pipeline"]
         context = executor.max_context
     else:
+        # the torch reference scores in the SLOTS layout: it carries a hybrid model's recurrent state, PAGED not yet
         loaded, program = compile_program(
-            model, pipeline, dtype=dtype, kv_layout=KVLayout.PAGED, kv_cache_dtype=kv_cache_dtype
+            model, pipeline, dtype=dtype, kv_layout=KVLayout.SLOTS, kv_cache_dtype=kv_cache_dtype
         )
         context = program.spec.max_positions
         executor, tokenizer = TorchExecutor(program, max_context=min(window, context)), tokenizer_of(loaded)
