@@ -136,11 +136,15 @@ def test_the_decomposed_program_computes_what_the_program_does(programs, arch, q
         torch.testing.assert_close(value, expected[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize(("arch", "quant"), [("llama", "q8"), ("gpt2", "none"), ("qwen3_moe", "q4mix")])
+@pytest.mark.parametrize(
+    ("arch", "quant"),
+    [("llama", "q8"), ("gpt2", "none"), ("qwen3_moe", "q4mix"), ("qwen3_5", "none"), ("jamba", "none")],
+)
 def test_the_linalg_module_computes_the_step(modules, programs, arch, quant):
     """The dynamic linalg module compiled by torch-mlir's reference-backend passes and run by MLIR's execution
-    engine with its runtime checks (an out-of-bounds access aborts): the program's logits and caches for steps of
-    several shapes (views that merge batch and tokens are where torch-mlir's linalg lowering once went wrong)."""
+    engine with its runtime checks (an out-of-bounds access aborts): the program's logits, caches and a hybrid's
+    recurrent states (its scans are loops over the step's tokens) for steps of several shapes (views that merge
+    batch and tokens are where torch-mlir's linalg lowering once went wrong)."""
     from llmlower.ir.program import example_inputs
     from llmlower.runtime.linalg_jit import LinalgFunction
 
@@ -308,3 +312,24 @@ def test_the_jit_optimization_level_comes_from_the_environment(monkeypatch):
         jit_opt_level()
     monkeypatch.delenv("LLMLOWER_MLIR_OPT_LEVEL")
     assert jit_opt_level() == 2
+
+
+def test_a_view_that_splits_and_merges_becomes_unflatten_then_flatten():
+    """[batch, tokens, 96] -> [batch * tokens * 4, 24] (OLMo's hybrid) merges two dynamic dimensions, which
+    torch-mlir's view lowering guesses wrong: it becomes an unflatten of the last dimension and a flatten of the
+    first three, the same tensor."""
+    from llmlower.backends.mlir.views import flatten_views
+
+    class Heads(torch.nn.Module):
+        def forward(self, x):
+            return x.view(-1, 24) * 2
+
+    batch, tokens = torch.export.Dim("batch", max=64), torch.export.Dim("tokens", max=64)
+    exported = torch.export.export(Heads(), (torch.randn(2, 3, 96),), dynamic_shapes=({0: batch, 1: tokens},))
+    exported = exported.run_decompositions({})
+    assert flatten_views(exported.graph) == 1
+    targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.unflatten.int in targets and torch.ops.aten.flatten.using_ints in targets
+    exported.graph_module.recompile()
+    x = torch.randn(5, 7, 96)
+    torch.testing.assert_close(exported.module()(x), x.view(-1, 24) * 2)
