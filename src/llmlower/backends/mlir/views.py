@@ -1,9 +1,10 @@
 """Views that merge dynamic dimensions, as aten.flatten: torch-mlir's linalg lowering of such an aten.view guesses
-which input dimensions merge (torch-mlir issue #3852: [?, ?, D] -> [?, D] becomes [?] + [1 x D], the token
-dimension cast to 1, and a step of several sequences of several tokens then reads out of bounds), where its
-lowering of aten.flatten collapses exactly the dimensions named. A view that also splits its last, static
-dimension ([?, ?, 96] -> [? * 4, 24], OLMo's hybrid) becomes an unflatten of that dimension, then the flatten.
-Applied to the decomposed graph torch-mlir imports; the torch backend pipeline keeps aten.flatten for the dialect lowerings (backend-legal-ops)."""
+which input dimensions merge (torch-mlir issue #3852: [?, ?, D] -> [?, D] becomes [?] + [1 x D], the token dimension
+cast to 1, and a step of several sequences of several tokens then reads out of bounds), where its lowering of
+aten.flatten collapses exactly the dimensions named. A view that also splits its last, static dimension ([?, ?, 96]
+-> [? * 4, 24], OLMo's hybrid) becomes an unflatten of that dimension, then the flatten. Applied to the decomposed
+graph torch-mlir imports; the torch backend pipeline keeps aten.flatten for the dialect lowerings
+(backend-legal-ops)."""
 
 from __future__ import annotations
 
