@@ -19,8 +19,10 @@ How the cache is addressed is the program's KV layout:
 A hybrid model's recurrent layers keep a fixed-size state per sequence instead of a cache that grows:
 `conv_state_<layer>` (a short convolution's last inputs), `delta_state_<layer>` (Gated DeltaNet's matrices) and
 `ssm_state_<layer>` (Mamba's and Mamba-2's), [batch, ...] in the SLOTS layout, one row per slot, an input and (as
-present_<name>) an updated output of the step like the caches. A state is that of the sequence after its past_lens
-tokens; a sequence with past_lens 0 starts from zeros whatever its row holds.
+present_<name>) an updated output of the step like the caches. In the PAGED layout a state is a pool of rows
+[state slots, ...] like the KV pools, each sequence's row named by `state_slots` [seqs] (the block manager gives
+each sequence one), updated in place. A state is that of the sequence after its past_lens tokens; a sequence with
+past_lens 0 starts from zeros whatever its row holds.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ PAST_LENS = "past_lens"
 INPUT_LENS = "input_lens"
 LOGITS_INDICES = "logits_indices"
 BLOCK_TABLES = "block_tables"
+STATE_SLOTS = "state_slots"  # PAGED, hybrid models: each sequence's row of the recurrent states
 LOGITS = "logits"
 PRESENT_PREFIX = "present_"  # ONNX names each value once: the updated cache k_cache_0 is output present_k_cache_0
 

@@ -102,6 +102,27 @@ def test_an_n_2_request_holds_its_forks_slot_from_admission():
     assert manager.num_free_blocks == 12
 
 
+def test_paged_blocks_hand_out_a_recurrent_state_row_per_sequence():
+    """PAGED with a hybrid model's states: a sequence gets a state row beside its blocks (admission waits for one,
+    an n = 2 request takes its fork's too), a fork's row starts as a copy of its parent's, and freeing gives the
+    rows back, the fork's unused one too."""
+    manager = BlockManager(num_blocks=32, block_size=BLOCK, state_slots=3)
+    assert manager.admit(0, [5, 6, 7], width=2) == 0 and manager.allocate(0, 3)
+    assert manager.admit(1, [8, 9]) == 0 and manager.allocate(1, 2)
+    assert manager.admit(2, [10]) is None  # blocks are free, state rows are not: the third is the fork's
+    manager.fork(0, 3)
+    rows = [manager.slot_of(seq_id) for seq_id in (0, 1, 3)]
+    assert sorted(rows) == [0, 1, 2]
+    assert manager.block_table(3) == manager.block_table(0)  # the blocks are shared, not copied
+    assert manager.take_state_copies() == [(rows[0], rows[2])] and manager.take_state_copies() == []
+    for seq_id in (0, 1, 3):
+        manager.free(seq_id)
+    assert len(manager.free_slots) == 3 and manager.num_free_blocks == 32
+    assert manager.admit(4, [5], width=3) == 0
+    manager.free(4)  # never forked: its forks' rows come back too
+    assert len(manager.free_slots) == 3
+
+
 def test_a_fork_slot_forgets_the_prefix_it_held_before_the_fork_writes_into_it():
     """A slot taken for a fork may hold another request's cached blocks; the fork rewrites them all, so none of
     them may still be found as a cached prefix (found by the soak: a later prompt got the fork's KV as its own,

@@ -12,6 +12,10 @@ In the SLOTS layout (an executor that keeps each sequence contiguous, such as ON
 GroupQueryAttention on the CPU) the pool is cut into slots of `blocks_per_slot` blocks: a sequence owns a
 slot and its i-th block is the slot's i-th block. A cached prefix is then used in place when its slot is free,
 and copied into the new sequence's slot when another sequence still owns it.
+
+A hybrid model's recurrent states are one row per sequence: in SLOTS a sequence's slot is its row; in PAGED the
+manager hands out `state_slots` rows beside the blocks (admission waits for one, an n > 1 request takes its forks'
+at admission too), and a fork's row starts as a copy of its parent's (`take_state_copies`).
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ class _Table:
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
-    slot: int = -1
-    fork_slots: list[int] = field(default_factory=list)  # SLOTS layout: held from admission for its n > 1 forks
+    slot: int = -1  # its slot (SLOTS) or its recurrent-state row (PAGED, hybrid models); -1 when it has none
+    fork_slots: list[int] = field(default_factory=list)  # held from admission for its n > 1 forks
 
 
 class BlockManager:
@@ -57,6 +61,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         blocks_per_slot: int | None = None,
+        state_slots: int = 0,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise GenerationError(f"the KV cache needs at least one block of at least one token, got {num_blocks}")
@@ -71,11 +76,15 @@ class BlockManager:
         self.tables: dict[int, _Table] = {}
         self.copies: list[tuple[int, int]] = []  # (source, destination) block copies the executor still has to make
         self.prefix = PrefixStats()
+        self.state_copies: list[tuple[int, int]] = []  # (source, destination) state rows to copy (PAGED forks)
+        self.num_slots = 0
         if blocks_per_slot is not None:
             self.num_slots = num_blocks // blocks_per_slot
             if self.num_slots < 1:
                 raise GenerationError(f"{num_blocks} blocks do not fill one slot of {blocks_per_slot} blocks")
-            self.free_slots: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_slots))
+        elif state_slots:
+            self.num_slots = state_slots
+        self.free_slots: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_slots))
 
     # ---------------------------------------------------------------- queries
 
@@ -97,6 +106,10 @@ class BlockManager:
 
     def block_table(self, seq_id: int) -> list[int]:
         return self.tables[seq_id].blocks
+
+    def slot_of(self, seq_id: int) -> int:
+        """The sequence's slot (SLOTS) or recurrent-state row (PAGED with state slots); -1 without either."""
+        return self.tables[seq_id].slot
 
     def blocks_needed(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -120,9 +133,13 @@ class BlockManager:
             return cached
         new_blocks = self.blocks_needed(len(token_ids)) - len(hits)  # room for the whole prompt
         reusable = sum(1 for block in hits if self.refs[block] == 0)  # cached, unreferenced: counted as free
-        if self.num_free_blocks - reusable < new_blocks + reserve:
+        if self.num_free_blocks - reusable < new_blocks + reserve or len(self.free_slots) < width * bool(
+            self.num_slots
+        ):
             return None
         table = self.tables[seq_id] = _Table()
+        if self.num_slots:  # a recurrent-state row for it and each of its forks
+            table.slot, *table.fork_slots = (self.free_slots.popitem(last=False)[0] for _ in range(width))
         for block in hits:
             self._reference(block)
             table.blocks.append(block)
@@ -256,7 +273,12 @@ class BlockManager:
             return
         for block in source.blocks:
             self.refs[block] += 1
-        self.tables[child] = _Table(list(source.blocks), list(source.hashes))
+        table = self.tables[child] = _Table(list(source.blocks), list(source.hashes))
+        if self.num_slots:  # its recurrent state starts as the parent's
+            if not source.fork_slots:
+                raise GenerationError(f"sequence {parent} was admitted without a state row for another completion")
+            table.slot = source.fork_slots.pop()
+            self.state_copies.append((source.slot, table.slot))
 
     def free(self, seq_id: int) -> None:
         """Let go of the sequence's blocks; cached ones stay findable until evicted, its tail first."""
@@ -270,15 +292,21 @@ class BlockManager:
                     self.evictable[block] = None
                 else:
                     self.unused.append(block)
-        if self.blocks_per_slot is not None:
+        if self.num_slots:
             for slot in (table.slot, *table.fork_slots):
                 self.free_slots[slot] = None  # most recently freed last: reused last
+        if self.blocks_per_slot is not None:
             for block in table.blocks[len(table.hashes) :]:
                 self._forget(block)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The block copies to make before the next step, in order; cleared."""
         copies, self.copies = self.copies, []
+        return copies
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The recurrent-state row copies to make before the next step (PAGED forks), in order; cleared."""
+        copies, self.state_copies = self.state_copies, []
         return copies
 
     # ---------------------------------------------------------------- internals

@@ -90,7 +90,9 @@ class Engine:
             logger.info(
                 "prefix caching is off: this model keeps a recurrent state, which a cached prefix does not hold"
             )
-        self.blocks = BlockManager(executor.num_blocks, executor.block_size, prefix_caching, executor.blocks_per_slot)
+        self.blocks = BlockManager(
+            executor.num_blocks, executor.block_size, prefix_caching, executor.blocks_per_slot, executor.num_state_slots
+        )
         speculative = config.speculative
         lookahead = speculative.num_tokens if speculative else 0
         self.scheduler = Scheduler(

@@ -49,6 +49,7 @@ class EngineStats:
     steps: int
     finished: dict[str, int]  # completions finished, by reason: "stop", "length" or "abort"
     speculation: SpeculationStats | None = None  # with speculative decoding: proposed and accepted tokens
+    state_slots_used: int = 0  # a hybrid model's recurrent-state rows held by sequences (and their forks to come)
 
 
 class EngineCore:
@@ -124,6 +125,7 @@ class EngineCore:
             steps=self.steps,
             finished=dict(self.finished),
             speculation=copy.deepcopy(self.speculation) if self.proposer is not None else None,
+            state_slots_used=self.blocks.num_slots - len(self.blocks.free_slots) if self.executor.states else 0,
         )
 
     def step(self) -> list[GenerationDelta]:
@@ -146,12 +148,13 @@ class EngineCore:
             self.executor.copy_blocks(copies)
             if self.draft is not None:  # the draft's pool mirrors the target's blocks
                 self.draft.copy_blocks(copies)
+        state_copies = self.blocks.take_state_copies()
+        if state_copies:
+            self.executor.copy_state_slots(state_copies)
         proposals, masks = self._propose(scheduled)
+        slot_of = self.blocks.slot_of
         self.rollback = {
-            s.sequence.seq_id: (
-                s.sequence.num_computed,
-                self.executor.save_states(self.blocks.block_table(s.sequence.seq_id)),
-            )
+            s.sequence.seq_id: (s.sequence.num_computed, self.executor.save_states(slot_of(s.sequence.seq_id)))
             for s, p in zip(scheduled, proposals, strict=True)
             if p.tokens and self.executor.states
         }
@@ -163,6 +166,7 @@ class EngineCore:
             past_lens=[s.sequence.num_computed for s in scheduled],
             block_tables=[self.blocks.block_table(s.sequence.seq_id) for s in scheduled],
             num_logits=[len(p.tokens) + 1 for p in proposals],
+            state_slots=[slot_of(s.sequence.seq_id) for s in scheduled] if self.executor.states else None,
         )
         started = time.perf_counter()
         for item in scheduled:
@@ -255,7 +259,7 @@ class EngineCore:
             saved = self.rollback.pop(sequence.seq_id, None)
             if saved is not None and len(tokens) <= len(choice.proposal.tokens):  # the state took in a rejected guess
                 past, states = saved
-                self.executor.restore_states(self.blocks.block_table(sequence.seq_id), states)
+                self.executor.restore_states(self.blocks.slot_of(sequence.seq_id), states)
                 sequence.num_computed = past  # its kept tokens run again from the state before the guesses
             self.blocks.commit(sequence.seq_id, sequence.token_ids, sequence.num_computed)
             self.blocks.truncate(sequence.seq_id, len(sequence.token_ids))

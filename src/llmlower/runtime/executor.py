@@ -27,6 +27,7 @@ from ..step_io import (
     LOGITS_INDICES,
     PAST_LENS,
     POSITION_IDS,
+    STATE_SLOTS,
     KVLayout,
     state_layer,
 )
@@ -37,12 +38,14 @@ class StepBatch:
     """One forward step over several sequences: the tokens each brings (a prompt chunk, or one token in
     decode), how many it already has in the cache, and its block table (covering past and new tokens).
     `num_logits`: how many of each sequence's last new tokens get logits (default one: the last; k + 1 when
-    verifying k speculative tokens)."""
+    verifying k speculative tokens). `state_slots`: each sequence's row of the recurrent states (a hybrid model's
+    in the PAGED layout; in SLOTS a block table names its slot)."""
 
     tokens: Sequence[Sequence[int]]
     past_lens: Sequence[int]
     block_tables: Sequence[Sequence[int]]
     num_logits: Sequence[int] | None = None
+    state_slots: Sequence[int] | None = None
 
     def logits_counts(self) -> np.ndarray:
         """int64 [seqs]: the logits rows each sequence gets, checked against its new tokens."""
@@ -74,6 +77,7 @@ class PackedBatch:
     input_lens: np.ndarray  # [seqs]
     block_tables: np.ndarray  # [seqs, max blocks], unused entries 0
     logits_indices: np.ndarray  # [logits]: indices into the packed row of the tokens that get logits
+    state_slots: np.ndarray | None = None  # [seqs]: each sequence's row of the recurrent states (hybrid models)
 
 
 def _last_indices(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -122,7 +126,8 @@ def pack_batch(batch: StepBatch) -> PackedBatch:
             tables[row, : len(table)] = table
     ends = np.cumsum(input_lens)
     indices = ends - 1 if batch.num_logits is None else _last_indices(ends, batch.logits_counts())
-    return PackedBatch(ids, positions[None], past_lens, input_lens, tables, indices)
+    slots = None if batch.state_slots is None else np.asarray(batch.state_slots, dtype=np.int64)
+    return PackedBatch(ids, positions[None], past_lens, input_lens, tables, indices, slots)
 
 
 def step_arrays(batch: PaddedBatch | PackedBatch) -> dict[str, np.ndarray]:
@@ -136,6 +141,8 @@ def step_arrays(batch: PaddedBatch | PackedBatch) -> dict[str, np.ndarray]:
     }
     if isinstance(batch, PackedBatch):
         arrays[BLOCK_TABLES] = batch.block_tables
+        if batch.state_slots is not None:
+            arrays[STATE_SLOTS] = batch.state_slots
     return arrays
 
 
@@ -154,8 +161,10 @@ class Executor(ABC):
     num_blocks: int
     max_context: int  # the longest sequence (prompt + output) a step may reach
     all_positions: bool  # the program returns every position's logits (no last_token_logits)
-    # a hybrid model's recurrent states, name -> [slots, ...]: row i is the state of the sequence in slot i (SLOTS)
+    # a hybrid model's recurrent states, name -> [slots, ...]: row i is the state of the sequence in slot i (SLOTS),
+    # or of the sequence the block manager gave state slot i (PAGED: `state_slots` rows)
     states: dict[str, np.ndarray] = {}
+    num_state_slots: int = 0  # PAGED with recurrent states: the rows of each state
 
     @property
     def blocks_per_slot(self) -> int | None:
@@ -196,26 +205,29 @@ class Executor(ABC):
         return np.concatenate([self.step(StepBatch([[token]], [past], table)) for past, token in enumerate(tokens)])
 
     def copy_states(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Carry the recurrent states along block copies that start a slot: a copy of a slot's first block into
-        another slot's first block starts a sequence where the source's is (an n > 1 fork). Engines keep prefix
-        caching off for models with a recurrent state, so no other copy starts a slot."""
+        """SLOTS layout: carry the recurrent states along block copies that start a slot: a copy of a slot's first
+        block into another slot's first block starts a sequence where the source's is (an n > 1 fork). Engines
+        keep prefix caching off for models with a recurrent state, so no other copy starts a slot."""
         for source, destination in pairs:
             (source_slot, source_index), (slot, index) = (
                 divmod(source, self.blocks_per_slot),
                 divmod(destination, self.blocks_per_slot),
             )
             if source_index == index == 0 and source_slot != slot:
-                for state in self.states.values():
-                    state[slot] = state[source_slot]
+                self.copy_state_slots([(source_slot, slot)])
 
-    def save_states(self, table: Sequence[int]) -> dict[str, np.ndarray]:
-        """A copy of the recurrent states of the sequence holding `table` (to roll back rejected guesses)."""
-        slot = table[0] // self.blocks_per_slot
+    def copy_state_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy each (source, destination) row of every recurrent state, in order (an n > 1 fork, PAGED)."""
+        for source, destination in pairs:
+            for state in self.states.values():
+                state[destination] = state[source]
+
+    def save_states(self, slot: int) -> dict[str, np.ndarray]:
+        """A copy of the recurrent states in row `slot` (to roll back rejected guesses)."""
         return {name: state[slot].copy() for name, state in self.states.items()}
 
-    def restore_states(self, table: Sequence[int], saved: dict[str, np.ndarray]) -> None:
-        """Put back what save_states returned for the sequence holding `table`."""
-        slot = table[0] // self.blocks_per_slot
+    def restore_states(self, slot: int, saved: dict[str, np.ndarray]) -> None:
+        """Put back what save_states returned for row `slot`."""
         for name, state in self.states.items():
             state[slot] = saved[name]
 
@@ -324,3 +336,9 @@ def copy_rounds(pairs: Sequence[tuple[int, int]]) -> list[tuple[list[int], list[
         reads.add(source)
         writes.add(destination)
     return rounds
+
+
+def state_slot_count(num_blocks: int, max_context: int, block_size: int) -> int:
+    """A PAGED pool's recurrent-state rows: one per sequence of max_context tokens the pool holds, the sequences
+    kv_pool_blocks charged its blocks a share of the state for."""
+    return max(1, num_blocks // -(-max_context // block_size))

@@ -71,7 +71,7 @@ class RequestIntake:
                 raise GenerationError(f"{name} has token id {bad[0]}; the vocabulary has {vocab} tokens", name)
         if params.n > self.max_num_seqs:
             raise GenerationError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}", "n")
-        if self.executor.blocks_per_slot and params.n > self.blocks.num_slots:
+        if self.blocks.num_slots and params.n > self.blocks.num_slots:
             raise GenerationError(f"n={params.n} exceeds the {self.blocks.num_slots} sequences the KV pool holds", "n")
         if self.blocks.blocks_needed(len(ids) + 1) > self.executor.num_blocks:
             blocks = self.executor.num_blocks
