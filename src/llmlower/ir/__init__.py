@@ -9,6 +9,7 @@ from .moe import MOE_EXPERTS
 from .norms import ADD_RMS_NORM, RMS_NORM
 from .paged_attention import PAGED_ATTENTION
 from .paged_qkv_attention import PAGED_QKV_ATTENTION
+from .paged_recurrent import PAGED_RECURRENT
 from .program import Program, TensorSpec
 from .qkv_attention import QKV_ATTENTION
 from .qlinear import QEMBEDDING, QLINEAR
@@ -32,6 +33,7 @@ __all__ = [
     "PAGED_ATTENTION",
     "PAGED_LATENT_ATTENTION",
     "PAGED_QKV_ATTENTION",
+    "PAGED_RECURRENT",
     "QEMBEDDING",
     "QKV_ATTENTION",
     "QLINEAR",

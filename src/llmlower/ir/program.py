@@ -15,7 +15,16 @@ import torch
 import torch.fx
 
 from ..spec import ModelSpec
-from ..step_io import BLOCK_TABLES, INPUT_IDS, INPUT_LENS, LOGITS_INDICES, PAST_LENS, POSITION_IDS, KVLayout
+from ..step_io import (
+    BLOCK_TABLES,
+    INPUT_IDS,
+    INPUT_LENS,
+    LOGITS_INDICES,
+    PAST_LENS,
+    POSITION_IDS,
+    STATE_SLOTS,
+    KVLayout,
+)
 from ..step_io import LOGITS as LOGITS  # re-exported: the program's names are the step interface's
 from ..step_io import cache_names as cache_names
 
@@ -88,11 +97,15 @@ class Program:
 
     @property
     def block_size(self) -> int:
-        """Tokens per KV block of a PAGED program (the pools' second dimension)."""
+        """Tokens per KV block of a PAGED program (the pools' second dimension; a model without attention, whose
+        blocks only size its state rows, the paged_attention pass's option)."""
         pools = [t for t in self.inputs if len(t.shape) == 4 and t.shape[0] == "pool"]
-        if not pools:
+        if pools:
+            return int(pools[0].shape[1])
+        paged = [record.stats["block_size"] for record in self.history if record.name == "paged_attention"]
+        if not paged:
             raise ValueError("the program has no KV block pools (apply the paged_attention pass)")
-        return int(pools[0].shape[1])
+        return int(paged[-1])
 
     @torch.no_grad()
     def __call__(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -124,6 +137,7 @@ class Program:
             "seqs": torch.export.Dim("seqs", min=1, max=_MAX_BATCH),
             "blocks": torch.export.Dim("blocks", min=1, max=self.spec.max_positions),
             "pool": torch.export.Dim("pool", min=2, max=1 << 24),
+            "slots": torch.export.Dim("slots", min=2, max=1 << 16),  # a PAGED recurrent state's rows
             "logits": torch.export.Dim("logits", min=1, max=_MAX_PACKED_TOKENS),
         }
         sizes = {"batch": 2, "tokens": 5, "context": 7, "seqs": 2, "blocks": 3, "pool": 7} | fixed
@@ -240,8 +254,9 @@ def paged_example_inputs(
         INPUT_LENS: lens,
         BLOCK_TABLES: torch.randint(0, pool, (seqs, blocks), generator=gen),
         LOGITS_INDICES: torch.cumsum(lens, 0) - 1,  # each sequence's last token
+        STATE_SLOTS: torch.randperm(seqs + 2, generator=gen)[:seqs],  # distinct rows of a state pool
     }
-    sizes = {"tokens": tokens, "seqs": seqs, "blocks": blocks, "pool": pool}
+    sizes = {"tokens": tokens, "seqs": seqs, "blocks": blocks, "pool": pool, "slots": seqs + 2}
     for t in program.inputs:
         if t.name not in values:  # a pool or any other float input: noise of its declared shape
             shape = tuple(sizes[d] if isinstance(d, str) else d for d in t.shape)

@@ -22,6 +22,7 @@ from ...runtime.executor import (
     pad_batch,
     state_arrays,
     state_shapes,
+    state_slot_count,
     step_arrays,
     step_logits,
 )
@@ -51,10 +52,11 @@ class TorchExecutor(Executor):
         self.caches: dict[str, torch.Tensor] = {}
         # recurrent states as numpy arrays, as the runtime's executors keep them (bfloat16's in float32: numpy has none)
         specs = [(t.name, t.shape, np.float16 if t.dtype == "float16" else np.float32) for t in program.inputs]
-        self.states = state_arrays(state_shapes(specs), self.num_blocks // per_sequence)
+        self.states = state_arrays(
+            state_shapes(specs), state_slot_count(self.num_blocks, self.max_context, self.block_size)
+        )
         self.state_dtypes = {t.name: getattr(torch, t.dtype) for t in program.inputs if t.name in self.states}
-        if self.states and paged:
-            raise GenerationError("the torch executor keeps recurrent states in the SLOTS layout only")
+        self.num_state_slots = len(next(iter(self.states.values()))) if self.states and paged else 0
         for t in program.inputs:
             if cache_layer(t.name) is None:
                 continue
@@ -81,7 +83,7 @@ class TorchExecutor(Executor):
                     cache[destination] = cache[source]
                 else:
                     cache[self.slot_rows(destination)] = cache[self.slot_rows(source)]
-        if self.states:
+        if self.states and self.kv_layout is KVLayout.SLOTS:  # PAGED forks copy state rows (copy_state_slots)
             self.copy_states(pairs)
 
     def _run(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
@@ -95,12 +97,22 @@ class TorchExecutor(Executor):
         packed = pack_batch(batch)
         blocks, local = np.unique(packed.block_tables, return_inverse=True)
         rows = torch.from_numpy(blocks)
-        arrays = step_arrays(replace(packed, block_tables=local.reshape(packed.block_tables.shape)))
+        packed = replace(packed, block_tables=local.reshape(packed.block_tables.shape))
+        if self.states:  # the rows the step's state slots name, renumbered as the blocks are
+            given = np.arange(len(batch.tokens)) if batch.state_slots is None else np.asarray(batch.state_slots)
+            slots, local_slots = np.unique(given, return_inverse=True)
+            packed = replace(packed, state_slots=local_slots.astype(np.int64))
+        arrays = step_arrays(packed)
         inputs = {name: torch.from_numpy(array) for name, array in arrays.items()}
         inputs.update({name: cache[rows] for name, cache in self.caches.items()})
+        inputs.update(
+            {name: torch.from_numpy(state[slots]).to(self.state_dtypes[name]) for name, state in self.states.items()}
+        )
         outputs = self.program(**inputs)
         for name, cache in self.caches.items():
             cache[rows] = outputs[name]
+        for name, state in self.states.items():
+            state[slots] = outputs[name].float().numpy()
         return outputs, arrays
 
     def _run_slots(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
