@@ -15,7 +15,7 @@ from ...ir.program import Program
 from ...progress import stage
 from ...runtime.artifact import write_artifact
 from ...runtime.weights import tensor_spec
-from ...step_io import KVLayout, pool_names
+from ...step_io import KVLayout, cache_layer
 from ..manifest import kv_layout_manifest, program_manifest
 from .compile import accuracy_level as level
 from .compile import compile_module, cpu_manifest, cuda_binary, tvm_target
@@ -61,11 +61,10 @@ def build(
         if write_extra is not None:
             write_extra(staging)
 
-    spec = program.spec
     declared = {t.name: t.to_dict() for t in program.inputs}
     inputs = [declared.get(name, {"name": name}) for name in model.inputs]
     logits = logits_output(program).to_dict()
-    pools = [declared[name] for layer in range(spec.num_layers) for name in pool_names(layer)]
+    pools = [spec_ for name, spec_ in declared.items() if cache_layer(name) is not None]  # KV pools, layer by layer
     indices = [{"name": name, "dtype": "int32", "shape": ["count"]} for name in COPY_INDICES]
     manifest = {
         **program_manifest(program, "tvm", target),

@@ -36,6 +36,7 @@ from . import norm_kernel, rope_kernel, silu_mul_kernel
 from .cpu_schedule import dequantize_lanes
 from .paged_kernels import emit_paged_attention, emit_paged_latent_attention
 from .qlinear_kernel import emit_qlinear, nibble_order, takes
+from .recurrent_lowerings import RECURRENT_CONVERTERS
 
 if TYPE_CHECKING:
     from .relax_import import StepImporter
@@ -540,6 +541,7 @@ CONVERTERS: dict[str, Converter] = {
     QEMBEDDING.name: qembedding,
     MOE_EXPERTS.name: moe_experts,
     QMOE_EXPERTS.name: qmoe_experts,
+    **RECURRENT_CONVERTERS,
 }
 
 

@@ -24,8 +24,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from ...ir.program import LOGITS, Program, TensorSpec, fetch_attr
-from ...spec import ModelSpec
-from ...step_io import BLOCK_TABLES, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout, pool_names
+from ...step_io import BLOCK_TABLES, INPUT_LENS, PAST_LENS, POSITION_IDS, KVLayout, cache_layer
 from .int8_dot import int8_dot_product
 from .lowerings import TvmLoweringError, convert_map
 from .paged_kernels import emit_copy_blocks
@@ -184,14 +183,14 @@ def _prepare(exported: torch.export.ExportedProgram) -> None:
         node.kwargs = {key: value for key, value in node.kwargs.items() if key != "sorted"}
 
 
-def _copy_blocks(builder: relax.BlockBuilder, step: relax.Function, spec: ModelSpec, target: tvm.target.Target):
+def _copy_blocks(builder: relax.BlockBuilder, step: relax.Function, target: tvm.target.Target):
     """copy_blocks(every layer's k and v pool, src [count], dst [count]) -> the pools, copied in place."""
     types = {v.name: v.ty for v in step.params}
     num_blocks, count = tirx.Var("num_blocks", "int64"), tirx.Var("count", "int64")
-    pools = [
+    pools = [  # every KV pool, layer by layer (a hybrid model's recurrent layers have none)
         relax.Var(name, relax.TensorType([num_blocks, *list(types[name].shape)[1:]], types[name].dtype))
-        for layer in range(spec.num_layers)
-        for name in pool_names(layer)
+        for name in types
+        if cache_layer(name) is not None
     ]
     src, dst = (relax.Var(name, relax.TensorType([count], "int32")) for name in COPY_INDICES)
     with builder.function(COPY_BLOCKS, [*pools, src, dst]):
@@ -224,5 +223,5 @@ def to_relax(program: Program, target: tvm.target.Target, accuracy_level: int = 
     # buffer for that size; without them buffers are sized per call and pooled
     step = step.without_attr("params").without_attr("tir_var_upper_bound")
     builder.add_func(step.with_attr("global_symbol", STEP), STEP)
-    _copy_blocks(builder, step, program.spec, target)
+    _copy_blocks(builder, step, target)
     return RelaxModel(builder.get(), params, 4 if importer.int8_dot else 0)

@@ -19,9 +19,11 @@ TVM is the runtime alone, without the compiler library (libtvm_compiler.so, most
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ from tvm.runtime.vm import VirtualMachine
 from tvm_ffi.libinfo import load_lib_ctypes
 
 from ...errors import GenerationError
-from ...step_io import KVLayout, cache_layer
+from ...step_io import KVLayout, cache_layer, state_layer
 from ..artifact import ArtifactError, kv_cache_dtype
 from ..cpu_features import check_host_cpu, host_cpu_refusal
 from ..executor import (
@@ -41,6 +43,7 @@ from ..executor import (
     StepBatch,
     copy_rounds,
     pack_batch,
+    state_slot_count,
     step_arrays,
     step_logits,
 )
@@ -128,6 +131,12 @@ def pool_shapes(inputs: Sequence[Mapping[str, Any]]) -> dict[str, tuple[int, int
     return {t["name"]: tuple(t["shape"][2:]) for t in inputs if cache_layer(t["name"]) is not None}
 
 
+def state_specs(inputs: Sequence[Mapping[str, Any]]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each recurrent state's (one sequence's shape, dtype) from the step's inputs as the manifest lists them
+    ([slots, ...])."""
+    return {t["name"]: (tuple(t["shape"][1:]), t["dtype"]) for t in inputs if state_layer(t["name"]) is not None}
+
+
 def aligned_empty(size: int, dtype: np.dtype, alignment: int = 64) -> np.ndarray:
     """An uninitialized 1-D array of `size` elements at an `alignment`-byte address (what a TVM tensor's data must
     be)."""
@@ -151,11 +160,14 @@ class TvmExecutor(Executor):
         device: str = "cpu",
         all_positions: bool = False,
         threads: int = 0,
+        states: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
     ) -> None:
         """`inputs`: the step function's data inputs in call order (the weights follow them, in `weights`'
         order); `pools`: each KV pool's (kv_heads, head_dim), every pool of its own (values of their own head
-        size, MLA's latent); `all_positions`: the step returns every packed token's logits (no last_token_logits)."""
+        size, MLA's latent); `all_positions`: the step returns every packed token's logits (no last_token_logits);
+        `states`: a hybrid model's recurrent states, name -> (one sequence's shape, dtype)."""
         self.threads, self._pooled = threads, threading.local()
+        self.states = {}
         self.kv_layout = KVLayout.PAGED
         self.block_size, self.num_blocks, self.max_context = block_size, num_blocks, max_context
         self.all_positions = all_positions
@@ -169,6 +181,16 @@ class TvmExecutor(Executor):
             name: tvm.runtime.tensor(np.zeros((num_blocks, block_size, *shape), dtype), self.device)
             for name, shape in pools.items()
         }
+        self._kv_pools = list(self.pools.values())
+        if states:  # a hybrid model's: numpy rows the kernels update in place through zero-copy views
+            if not self.on_cpu:
+                raise GenerationError("recurrent states run on the CPU only (their kernels are CPU kernels)")
+            self.num_state_slots = state_slot_count(num_blocks, max_context, block_size)
+            for name, (shape, state_dtype) in states.items():
+                rows = aligned_empty(self.num_state_slots * math.prod(shape), np.dtype(state_dtype))
+                rows[:] = 0
+                self.states[name] = rows.reshape(self.num_state_slots, *shape)
+                self.pools[name] = tvm.runtime.from_dlpack(self.states[name])
         missing = [name for name in self.pools if name not in self.inputs]
         if missing:
             raise GenerationError(f"the step function takes no pools {', '.join(missing)}")
@@ -213,6 +235,11 @@ class TvmExecutor(Executor):
             device=manifest["target"],
             all_positions=step["outputs"][0]["shape"][1] == "tokens",
             threads=threads,
+            states={
+                t["name"]: (tuple(t["shape"][1:]), t["dtype"])
+                for t in step["inputs"]
+                if state_layer(t["name"]) is not None
+            },
         )
 
     def step(self, batch: StepBatch) -> np.ndarray:
@@ -224,8 +251,10 @@ class TvmExecutor(Executor):
         for source, destination in pairs:
             if not (0 <= source < self.num_blocks and 0 <= destination < self.num_blocks):
                 raise GenerationError(f"copy_blocks: block pair {(source, destination)} is outside the pool")
+        if not self._kv_pools:  # a model without attention: its blocks only count its tokens
+            return
         self._configure_pool()
-        pools = list(self.pools.values())
+        pools = self._kv_pools
         for sources, destinations in copy_rounds(pairs):
             indices = [tvm.runtime.tensor(np.array(i, dtype=np.int32), self.device) for i in (sources, destinations)]
             self._copy_blocks(*pools, *indices)  # in place: the returned pools are these tensors
@@ -234,6 +263,8 @@ class TvmExecutor(Executor):
         """Run the step function on a packed batch; returns the program's logits: on the CPU a view of the step's
         output tensor, which it keeps alive (copying 16 streams' logits, 3 MB, took a third of a millisecond)."""
         self._configure_pool()
+        if self.states and packed.state_slots is None:  # sequences 0, 1, ... in rows 0, 1, ... (scoring, tests)
+            packed = replace(packed, state_slots=np.arange(len(packed.input_lens), dtype=np.int64))
         values = step_arrays(packed)
         args = [self.pools[name] if name in self.pools else self._input(name, values[name]) for name in self.inputs]
         logits = self._step(*args, *self.params)
