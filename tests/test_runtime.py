@@ -102,7 +102,10 @@ def test_pack_batch_concatenates_tokens_at_their_positions(batch, ids, positions
     assert packed.input_ids.tolist() == [ids] and packed.position_ids.tolist() == [positions]
     assert packed.block_tables.tolist() == tables and packed.logits_indices.tolist() == indices
     assert packed.input_lens.tolist() == [len(t) for t in batch.tokens]
-    assert {a.dtype for a in vars(packed).values()} == {np.dtype(np.int64)}
+    assert packed.state_slots is None  # only a hybrid model's steps name state rows
+    assert {a.dtype for a in vars(packed).values() if a is not None} == {np.dtype(np.int64)}
+    with_rows = pack_batch(replace(batch, state_slots=[2, 0, 1][: len(batch.tokens)]))
+    assert with_rows.state_slots.tolist() == [2, 0, 1][: len(batch.tokens)] and with_rows.state_slots.dtype == np.int64
 
 
 def test_pack_batch_refuses_a_sequence_without_new_tokens():
