@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from moe_perplexity import TOKENIZER_FILES, calibration_ids  # noqa: E402
@@ -35,6 +35,7 @@ from quant_sensitivity import measure, print_table  # noqa: E402
 
 from llmlower.frontend import example_checkpoint
 from llmlower.passes import build_pipeline
+from llmlower.runtime.perplexity import perplexity
 
 CHUNK, BATCH = 256, 2  # calibration sequences of CHUNK tokens, BATCH of them per training step
 MAMBA = {"mamba_d_head": 64, "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2}
@@ -126,13 +127,16 @@ def linearize(model_dir: Path, out: Path, every: int, steps: int) -> None:
 
 
 def transformers_perplexity(model_dir: Path, text: str) -> float:
-    """transformers' own perplexity of `text` under the checkpoint (fp32, the whole text at once)."""
+    """transformers' own fp32 perplexity of `text` under the checkpoint, in the same sliding windows as
+    `llmlower perplexity` (512 tokens, stride 256): the fp32 row's reference."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
-    ids = torch.tensor(tokenizer(text)["input_ids"])[None]
-    with torch.no_grad():
-        logits = model(ids).logits[0, :-1]
-    return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
+
+    def logits(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].numpy()
+
+    return perplexity(logits, tokenizer.encode(text, add_special_tokens=False), window=512, stride=256).perplexity
 
 
 def main() -> None:
