@@ -5,8 +5,9 @@ A step packs S sequences' new tokens into N rows (`query_start [S + 1]` says whi
 many each already has) and each state is a pool of rows the caller owns, sequence s's row `state_slots[s]`. One
 task per (sequence, head or channel), across the thread pool: it reads its piece of the state from the pool
 (zeros for a sequence that starts), runs its sequence's tokens in order and leaves the state in the pool, in place
-(`relax.call_tir_inplace`, as the KV pools' append): a decode step reads and writes each state once. The outputs
-are fresh tensors. Arithmetic in float32 whatever the model's dtype, as the references do.
+(`relax.call_tir_inplace`, as the KV pools' append): a decode step moves each state between memory and the cores
+once (the delta rule's two passes a token over a head's state, 64 KB at 128 x 128, find it in cache the second
+time). The outputs are fresh tensors. Arithmetic in float32 whatever the model's dtype, as the references do.
 """
 
 from __future__ import annotations
