@@ -166,14 +166,17 @@ def _delta_inputs(batch: int, tokens: int, seed: int = 0) -> tuple[torch.Tensor,
     return q, k, v, g, beta
 
 
+@pytest.mark.parametrize("tokens", [1, 11, 150], ids=["decode", "one-chunk", "three-chunks"])
 @pytest.mark.parametrize("function", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])
-def test_delta_step_equals_transformers_delta_rule(function):
-    """Both of transformers' implementations (chunked for prompts, recurrent for decode), from a given state."""
+def test_delta_step_equals_transformers_delta_rule(function, tokens):
+    """Both of transformers' implementations (chunked for prompts, recurrent for decode), from a given state: our
+    recurrence (one token) and our chunked form (a prompt, across chunk boundaries)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    q, k, v, g, beta = _delta_inputs(2, 11)
+    q, k, v, g, beta = _delta_inputs(2, tokens)
     state = torch.randn(2, HV, DK, DV)
-    ours, ours_state = GATED_DELTA_STEP.op(q, k, v, g, beta, state, torch.tensor([3, 3]), torch.tensor([11, 11]), True)
+    lens = torch.tensor([tokens, tokens])
+    ours, ours_state = GATED_DELTA_STEP.op(q, k, v, g, beta, state, torch.tensor([3, 3]), lens, True)
     theirs, theirs_state = getattr(modeling_qwen3_5, function)(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
@@ -197,12 +200,14 @@ def test_delta_step_in_chunks_equals_the_whole_prompt(chunks):
     torch.testing.assert_close(torch.cat(outputs, dim=1), whole, atol=1e-5, rtol=1e-5)
 
 
-def test_ssd_step_equals_transformers_mamba2_scan():
-    """Mamba-2's chunked scan (chunks of 4 over 11 tokens) from a given state, with D, dt_bias and softplus."""
+@pytest.mark.parametrize("tokens", [1, 11, 150], ids=["decode", "one-chunk", "three-chunks"])
+def test_ssd_step_equals_transformers_mamba2_scan(tokens):
+    """Mamba-2's chunked scan (chunks of 4) from a given state, with D, dt_bias and softplus: our recurrence (one
+    token) and our chunked form (a prompt, across chunk boundaries)."""
     from transformers.models.granitemoehybrid import modeling_granitemoehybrid
 
     gen = torch.Generator().manual_seed(3)
-    heads, head_dim, groups, state_size, tokens = 4, 6, 2, 5, 11
+    heads, head_dim, groups, state_size = 4, 6, 2, 5
     x = torch.randn(2, tokens, heads, head_dim, generator=gen)
     dt, A = torch.randn(2, tokens, heads, generator=gen), -torch.rand(heads, generator=gen)
     B, C = (torch.randn(2, tokens, groups, state_size, generator=gen) for _ in range(2))
@@ -259,9 +264,11 @@ def _onnx_loop_matches(module: _Step, inputs: tuple, tokens_axis: dict[int, int]
     from llmlower.backends.onnx.lowerings import translations
     from llmlower.backends.onnx.token_loops import expand_token_loops
 
-    tokens = torch.export.Dim("tokens", min=1, max=64)
+    tokens = torch.export.Dim("tokens", min=1, max=512)
     shapes = tuple({tokens_axis[i]: tokens} if i in tokens_axis else None for i in range(len(inputs)))
-    exported = torch.export.export(module, inputs, dynamic_shapes=(shapes,))
+    # exported from twice the tokens (an example of one token would fix the count at 1), run on the given ones
+    example = tuple(torch.cat((t, t), dim=tokens_axis[i]) if i in tokens_axis else t for i, t in enumerate(inputs))
+    exported = torch.export.export(module, example, dynamic_shapes=(shapes,))
     model = torch.onnx.export(exported, custom_translation_table=translations(), dynamo=True, verbose=False).model_proto
     assert expand_token_loops(model) == 1 and "Loop" in {node.op_type for node in model.graph.node}
     model.ir_version = min(model.ir_version, 10)
@@ -272,28 +279,33 @@ def _onnx_loop_matches(module: _Step, inputs: tuple, tokens_axis: dict[int, int]
     axis = tokens_axis[0]
     for row, length in enumerate(lens):
         ours, theirs = got[0][row].swapaxes(0, axis - 1), expected[0][row].numpy().swapaxes(0, axis - 1)
-        np.testing.assert_allclose(ours[:length], theirs[:length], atol=1e-5)
-    np.testing.assert_allclose(got[1], expected[1].numpy(), atol=1e-5)
+        np.testing.assert_allclose(ours[:length], theirs[:length], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got[1], expected[1].numpy(), atol=1e-5, rtol=1e-5)
 
 
 LENS, PAST = [5, 2, 1], [4, 0, 9]  # right-padded rows, one fresh: each row's state moves at its own tokens only
+# a decode step, one chunk with padding, and a prompt of chunks whose last one is padded (rows ending in different
+# chunks: one at a boundary)
+CHUNKED_LENS = pytest.mark.parametrize("lens", [[1, 1, 1], LENS, [150, 64, 3]], ids=["decode", "one", "three"])
 
 
-def test_delta_step_onnx_loop_matches_the_reference():
-    q, k, v, g, beta = _delta_inputs(3, 5, seed=2)
-    inputs = (q, k, v, g, beta, torch.randn(3, HV, DK, DV), torch.tensor(PAST), torch.tensor(LENS))
-    _onnx_loop_matches(_Step(GATED_DELTA_STEP.op, use_qk_l2norm=True), inputs, dict.fromkeys(range(5), 1), LENS)
+@CHUNKED_LENS
+def test_delta_step_onnx_loop_matches_the_reference(lens):
+    q, k, v, g, beta = _delta_inputs(3, max(lens), seed=2)
+    inputs = (q, k, v, g, beta, torch.randn(3, HV, DK, DV), torch.tensor(PAST), torch.tensor(lens))
+    _onnx_loop_matches(_Step(GATED_DELTA_STEP.op, use_qk_l2norm=True), inputs, dict.fromkeys(range(5), 1), lens)
 
 
-def test_ssd_step_onnx_loop_matches_the_reference():
-    gen = torch.Generator().manual_seed(5)
-    x, dt = torch.randn(3, 5, 4, 6, generator=gen), torch.randn(3, 5, 4, generator=gen)
-    B, C = (torch.randn(3, 5, 2, 3, generator=gen) for _ in range(2))
+@CHUNKED_LENS
+def test_ssd_step_onnx_loop_matches_the_reference(lens):
+    gen, tokens = torch.Generator().manual_seed(5), max(lens)
+    x, dt = torch.randn(3, tokens, 4, 6, generator=gen), torch.randn(3, tokens, 4, generator=gen)
+    B, C = (torch.randn(3, tokens, 2, 3, generator=gen) for _ in range(2))
     A, D, dt_bias = -torch.rand(4, generator=gen), torch.randn(4, generator=gen), torch.randn(4, generator=gen)
     state = torch.randn(3, 4, 6, 3, generator=gen)
-    inputs = (x, dt, A, B, C, D, dt_bias, state, torch.tensor(PAST), torch.tensor(LENS))
+    inputs = (x, dt, A, B, C, D, dt_bias, state, torch.tensor(PAST), torch.tensor(lens))
     step = _Step(SSD_STEP.op, softplus=True, dt_min=0.0, dt_max=float("inf"))
-    _onnx_loop_matches(step, inputs, {0: 1, 1: 1, 3: 1, 4: 1}, LENS)
+    _onnx_loop_matches(step, inputs, {0: 1, 1: 1, 3: 1, 4: 1}, lens)
 
 
 def test_selective_step_onnx_loop_matches_the_reference():

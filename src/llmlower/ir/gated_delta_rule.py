@@ -9,14 +9,19 @@ hv]; out [batch, tokens, hv, dv] in q's dtype; the state [batch, hv, dk, dv] is 
 
 `gated_delta_rule` is what capture records for a whole prompt (from a zero state, no state out); the state_cache
 pass turns it into `gated_delta_step`, which starts from each sequence's state (zeros where past_lens is 0), runs
-its input_lens[b] right-padded new tokens, and returns the state after its last one. One recurrence serves prompts
-and decode; a backend may compute a prompt's chunk in parallel form instead.
+its input_lens[b] right-padded new tokens, and returns the state after its last one.
+
+Two forms compute it: the recurrence above, token by token (decode), and the chunked form (prompts; chunk_scan.py):
+within a chunk, with G_t the decay from the chunk's start through t, the state's corrections u solve the unit lower
+triangular system (I + tril(beta_t G_t / G_i k_t . k_i)) u = beta v - beta G K S, then out = G Q S + (Q K^T * G_t /
+G_i) u and S <- G_last S + (K G_last / G)^T u.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .chunk_scan import pairwise_decay, runs_in_chunks, scan_chunks
 from .registry import NAMESPACE, Cost, OpDef, register_op
 from .token_scan import scan_tokens
 
@@ -55,13 +60,48 @@ def delta_recurrence(
     return scan_tokens(update, state, (q, k, v, g, beta), valid, torch.zeros_like(v))
 
 
+def delta_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    valid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """delta_recurrence's result in the chunked form: padded tokens idle (g and beta 0)."""
+    idle = valid[:, None]
+    g, beta = torch.where(idle, g, 0.0), torch.where(idle, beta, 0.0)
+    return scan_chunks(_delta_chunk, state, (q, k, v, g, beta))
+
+
+def _delta_chunk(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk [batch, hv, size, ...] from `state`: its outputs and the state after it."""
+    cumulative = g.cumsum(dim=-1)
+    decay = pairwise_decay(cumulative)
+    k_beta = k * beta[..., None]
+    system = torch.eye(g.shape[-1]) + (k_beta @ k.transpose(-1, -2) * decay).tril(-1)
+    targets = v * beta[..., None] - (k_beta * cumulative.exp()[..., None]) @ state
+    corrections = torch.linalg.solve_triangular(system, targets, upper=False, unitriangular=True)
+    out = (q * cumulative.exp()[..., None]) @ state + (q @ k.transpose(-1, -2) * decay) @ corrections
+    last = cumulative[..., -1:]
+    carried = (k * (last - cumulative).exp()[..., None]).transpose(-1, -2) @ corrections
+    return out, state * last.exp()[..., None] + carried
+
+
+def _delta(q, k, v, g, beta, state, valid) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form for a prompt, the recurrence otherwise."""
+    form = delta_chunks if runs_in_chunks(q) else delta_recurrence
+    return form(q, k, v, g, beta, state, valid)
+
+
 def gated_delta_rule_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, use_qk_l2norm: bool
 ) -> torch.Tensor:
     q_, k_, v_, g_, beta_ = _heads_first(q, k, v, g, beta, use_qk_l2norm)
     batch, heads, tokens, dk = k_.shape
     state = q_.new_zeros(batch, heads, dk, v_.shape[-1])
-    out, _ = delta_recurrence(q_, k_, v_, g_, beta_, state, torch.ones(batch, tokens, dtype=torch.bool))
+    out, _ = _delta(q_, k_, v_, g_, beta_, state, torch.ones(batch, tokens, dtype=torch.bool))
     return out.transpose(1, 2).to(q.dtype)
 
 
@@ -79,7 +119,7 @@ def gated_delta_step_reference(
     q_, k_, v_, g_, beta_ = _heads_first(q, k, v, g, beta, use_qk_l2norm)
     start = torch.where((past_lens == 0)[:, None, None, None], torch.zeros_like(state), state)
     valid = torch.arange(q.shape[1])[None, :] < input_lens[:, None]
-    out, state = delta_recurrence(q_, k_, v_, g_, beta_, start.float(), valid)
+    out, state = _delta(q_, k_, v_, g_, beta_, start.float(), valid)
     return out.transpose(1, 2).to(q.dtype), state
 
 

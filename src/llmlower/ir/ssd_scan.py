@@ -10,12 +10,17 @@ transformers' scan returns it); the state [batch, heads, head_dim, state_size] i
 `ssd_scan` is what capture records for a whole prompt (from a zero state, no state out); the state_cache pass turns
 it into `ssd_step`, which starts from each sequence's state (zeros where past_lens is 0), runs its input_lens[b]
 right-padded new tokens, and returns the state after its last one.
+
+Two forms compute it: the recurrence above, token by token (decode), and the chunked form (prompts; chunk_scan.py):
+within a chunk, with G_t the decay from the chunk's start through t, y = G (C S^T) + (C B^T * G_t / G_i) (dt x) and
+S <- G_last S + (dt x G_last / G)^T B.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .chunk_scan import pairwise_decay, runs_in_chunks, scan_chunks
 from .registry import NAMESPACE, Cost, OpDef, register_op
 from .token_scan import scan_tokens
 
@@ -54,6 +59,35 @@ def ssd_recurrence(
     return scan_tokens(update, state, (x, dt, B, C), valid, torch.zeros_like(x), (A.float(),))
 
 
+def ssd_chunks(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor,
+    valid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """ssd_recurrence's result in the chunked form: padded tokens idle (dt 0)."""
+    dt = torch.where(valid[:, None], dt, 0.0)
+    return scan_chunks(_ssd_chunk, state, (x, dt, B, C), (A.float(),))
+
+
+def _ssd_chunk(state: torch.Tensor, x, dt, B, C, A) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk [batch, heads, size, ...] from `state` [batch, heads, head_dim, state_size]: S C at each token
+    and the state after it."""
+    cumulative = (dt * A[:, None]).cumsum(dim=-1)
+    written = x * dt[..., None]
+    y = (
+        C @ state.transpose(-1, -2) * cumulative.exp()[..., None]
+        + (C @ B.transpose(-1, -2) * pairwise_decay(cumulative)) @ written
+    )
+    last = cumulative[..., -1:]
+    carried = (written * (last - cumulative).exp()[..., None]).transpose(-1, -2) @ B
+    return y, state * last.exp()[..., None] + carried
+
+
+def _ssd(x, dt, A, B, C, state, valid) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form for a prompt, the recurrence otherwise."""
+    form = ssd_chunks if runs_in_chunks(x) else ssd_recurrence
+    return form(x, dt, A, B, C, state, valid)
+
+
 def ssd_scan_reference(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -69,7 +103,7 @@ def ssd_scan_reference(
     x_, dt_, B_, C_ = _heads_first(x, dt, B, C, dt_bias, softplus, dt_min, dt_max)
     batch, heads, tokens, head_dim = x_.shape
     state = x_.new_zeros(batch, heads, head_dim, B.shape[-1])
-    y, _ = ssd_recurrence(x_, dt_, A, B_, C_, state, torch.ones(batch, tokens, dtype=torch.bool))
+    y, _ = _ssd(x_, dt_, A, B_, C_, state, torch.ones(batch, tokens, dtype=torch.bool))
     y = y.transpose(1, 2)
     return y if D is None else y + D.float()[:, None] * x.float()
 
@@ -92,7 +126,7 @@ def ssd_step_reference(
     x_, dt_, B_, C_ = _heads_first(x, dt, B, C, dt_bias, softplus, dt_min, dt_max)
     start = torch.where((past_lens == 0)[:, None, None, None], torch.zeros_like(state), state).float()
     valid = torch.arange(x.shape[1])[None, :] < input_lens[:, None]
-    y, state = ssd_recurrence(x_, dt_, A, B_, C_, start, valid)
+    y, state = _ssd(x_, dt_, A, B_, C_, start, valid)
     y = y.transpose(1, 2)
     return (y if D is None else y + D.float()[:, None] * x.float()), state
 

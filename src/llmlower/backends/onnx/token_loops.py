@@ -1,4 +1,6 @@
-"""Recurrences over a step's tokens as ONNX Loops, for the recurrent ops of hybrid models.
+"""Recurrences over a step's tokens as ONNX Loops, for the recurrent ops of hybrid models: token by token, or chunk by
+chunk where an op has a chunked form (an iteration then reads chunk i of arrays laid out [chunks, batch, heads,
+size, ...], and `valid` [chunks, batch, size]).
 
 torch.onnx's exporter gives a traced node only the outputs its schema lists, which for Loop is one (variadic). A
 lowering therefore emits a stand-in node of this module's domain, with the outputs (out, final state), and
@@ -136,6 +138,8 @@ def expand_token_loops(model: onnx.ModelProto) -> int:
             graph.node.insert(index + offset, new)
         count += 1
     kept = [o for o in model.opset_import if o.domain != DOMAIN]
+    if count and "com.microsoft" not in {o.domain for o in kept}:  # a body's contrib ops (Inverse)
+        kept.append(helper.make_opsetid("com.microsoft", 1))
     del model.opset_import[:]
     model.opset_import.extend(kept)
     return count
