@@ -12,7 +12,7 @@ quantization error depends on), not random. The calibration text is the document
 (never the scored text). The checkpoint is written with safetensors as a Bamba (`--out`).
 
 Then each pipeline's perplexity of `--text` is measured with the torch reference, as `llmlower perplexity OUT --text
-FILE --quant QUANT` does, beside transformers' own fp32 perplexity of the same checkpoint.
+FILE --quant QUANT [--gptq]` does, beside transformers' own fp32 perplexity of the same checkpoint.
 
     .venv/bin/python benchmarks/hybrid_perplexity.py --out /tmp/smollm2-hybrid [--model example]
         [--attention-every 2] [--steps 120] [--text tests/data/perplexity.txt] [--json FILE]
@@ -40,6 +40,7 @@ from llmlower.runtime.perplexity import perplexity
 CHUNK, BATCH = 256, 2  # calibration sequences of CHUNK tokens, BATCH of them per training step
 MAMBA = {"mamba_d_head": 64, "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2}
 QUANTS = ("q8", "q4g32", "q4g32-zp4", "q4g128-sym", "q4mix")
+GPTQ_QUANTS = ("q4g32-sym", "q4g128-sym", "q4mix")  # also with GPTQ (its own calibration text) in quantize's place
 SEED = 0
 
 
@@ -154,6 +155,7 @@ def main() -> None:
     text = args.text.read_text(encoding="utf-8")
     table = {"fp32": build_pipeline(all_logits=True)}
     table |= {quant: build_pipeline(quant=quant, all_logits=True) for quant in QUANTS}
+    table |= {f"{quant} gptq": build_pipeline(quant=quant, gptq=True, all_logits=True) for quant in GPTQ_QUANTS}
     results = measure(args.out, text, table, "hybrid perplexity")
     reference = transformers_perplexity(args.out, text)
     print(f"transformers' fp32 perplexity of the checkpoint: {reference:.2f}")

@@ -14,7 +14,8 @@ and 128 new tokens each, all at once (vLLM's offline workload: output tokens / w
 each repeat prefills again; llmlower's step budget a batch job's, --offline-budget, as vLLM's LLM class takes 4096
 tokens a step on a CPU by default); for each engine the bytes a decoded token reads and the share of the machine's
 measured bandwidth its decode reaches. Peers, set up by benchmarks/peers/setup.sh: llama.cpp (its own converter,
-then its quantizer: --llamacpp Q4_0,Q4_K_M), ONNX Runtime GenAI's builder (its CPU int4 defaults: --genai) and
+then its quantizer: --llamacpp Q4_0,Q4_K_M; the 16 requests as parallel sequences of one context, as its server's
+slots decode them), ONNX Runtime GenAI's builder (its CPU int4 defaults: --genai) and
 vLLM's CPU build (--vllm: bf16 where the CPU computes it, else float32). Bytes a token reads: llmlower from the
 roofline cost model on the artifact's own pipeline (the chosen experts only), peers from their model files (dense
 shapes only: their files hold every expert).
@@ -43,6 +44,7 @@ from pathlib import Path
 import torch
 import transformers
 from artifacts import ensure_artifact
+from peers.runner import OFFLINE, OFFLINE_NEW, OFFLINE_REQUESTS, offline_prompts
 from speed import (
     artifact_read_bytes,
     bandwidth_roof,
@@ -65,9 +67,7 @@ PEERS = Path(__file__).parent / "peers"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROMPT_TOKENS = "13,512,2048"  # the first is the decode's prompt; decode is also timed after the last
 MTP_FAMILIES = {"qwen3_5_text", "qwen3_next"}  # llama.cpp's converter looks for their multi-token-prediction layers
-OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_NEW = 16, 100, 128
 OFFLINE_BUDGET = 2048  # tokens a step for the 16 requests: every prompt in one step, as vLLM's offline engine runs
-OFFLINE = f"offline_{OFFLINE_REQUESTS}_tokens_per_s"  # the 16 requests' figure in a row (vllm_offline.py's name)
 SCALES = {  # --scale-dtypes value -> (build_pipeline options, row name suffix, directory suffix)
     "auto": ({}, "", ""),
     "float16": ({"scale_dtype": "float16"}, " f16 scales", "-f16"),
@@ -336,7 +336,7 @@ def main() -> None:
     prompt_tokens = [int(n) for n in args.prompt_tokens.split(",")]
     filler = [1000 + i % 40000 for i in range(max(prompt_tokens))]
     prompts = {n: filler[:n] for n in prompt_tokens}
-    offline = [[2000 + 37 * i + j for j in range(OFFLINE_PROMPT)] for i in range(OFFLINE_REQUESTS)]
+    offline = offline_prompts(prompts)  # the peers' own
     context = max(prompt_tokens) + args.new_tokens + 1
     read_context = prompt_tokens[0] + args.new_tokens // 2
     head, row_suffix, directory_suffix = {}, "", ""  # the LM head's option, and what it adds to the names

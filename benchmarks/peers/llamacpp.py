@@ -1,11 +1,14 @@
-"""Decode speed and TTFT of llama.cpp (llama-cpp-python) on token prompts; prints one JSON line
-(see docs/benchmarks.md).
+"""Decode speed, TTFT and offline throughput of llama.cpp (llama-cpp-python) on token prompts; prints one JSON line
+(see docs/benchmarks.md). Offline: vLLM's offline workload (runner.offline_prompts, all at once, OFFLINE_NEW greedy
+tokens each) on one context of OFFLINE_REQUESTS parallel sequences, each step one batch of every sequence's next
+token, as llama.cpp's server decodes its parallel slots (-np).
 
 .venv-llamacpp/bin/python llamacpp.py --model FILE.gguf --prompts P.json [--new-tokens N] [--repeats N] [--threads N]
 """
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import time
@@ -14,7 +17,7 @@ import llama_cpp
 import llama_cpp.llama_cpp as llama_c_api
 import numpy as np
 from llama_cpp import Llama
-from runner import parse, report
+from runner import OFFLINE, OFFLINE_NEW, OFFLINE_REQUESTS, offline_prompts, parse, report
 
 # a child loads the model with llama.cpp's defaults and evaluates four tokens: on a Sapphire Rapids VM its AMX path
 # (one of its "extra buffer types", with the repacked weight layouts) dies with SIGSEGV there
@@ -69,6 +72,46 @@ def decode_speed(llm: Llama, ids: list[int], new_tokens: int) -> float:
     return (new_tokens - 1) / elapsed
 
 
+def offline_throughput(llm: Llama, prompts: list[list[int]], threads: int) -> float:
+    """Output tokens/s of `prompts` decoded together, OFFLINE_NEW greedy tokens each (EOS ignored): every prompt in
+    one batch (llama.cpp splits it in micro-batches), then one batch a step of each sequence's next token."""
+    params = llama_c_api.llama_context_default_params()
+    params.n_ctx = len(prompts) * (max(map(len, prompts)) + OFFLINE_NEW + 8)
+    params.n_batch = max(2048, sum(map(len, prompts)))
+    params.n_seq_max = len(prompts)
+    params.n_threads = params.n_threads_batch = threads
+    params.no_perf = True
+    ctx = llama_c_api.llama_init_from_model(llm._model.model, params)
+    batch = llama_c_api.llama_batch_init(params.n_batch, 0, 1)
+    vocab = llm.n_vocab()
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """Evaluate (token, position, sequence, wants logits) entries; the greedy next token of each that wants."""
+        batch.n_tokens = len(entries)
+        for i, (token, position, seq, wants) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, wants
+            batch.seq_id[i][0] = seq
+        if llama_c_api.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        outputs = [i for i, entry in enumerate(entries) if entry[3]]
+        rows = (llama_cpp.llama_get_logits_ith(ctx, i) for i in outputs)
+        return [int(np.ctypeslib.as_array(row, shape=(vocab,)).argmax()) for row in rows]
+
+    try:
+        started = time.perf_counter()
+        llama_c_api.llama_memory_clear(llama_c_api.llama_get_memory(ctx), True)
+        entries = [(t, p, s, p == len(ids) - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)]
+        tokens = decode(entries)
+        for step in range(OFFLINE_NEW - 1):
+            tokens = decode(
+                [(t, len(ids) + step, s, True) for s, (t, ids) in enumerate(zip(tokens, prompts, strict=True))]
+            )
+        return len(prompts) * OFFLINE_NEW / (time.perf_counter() - started)
+    finally:
+        llama_c_api.llama_batch_free(batch)
+        llama_c_api.llama_free(ctx)
+
+
 def main() -> None:
     """Parse the arguments, measure, print the JSON line."""
     args, prompts = parse(__doc__.splitlines()[0], "GGUF file")
@@ -87,6 +130,9 @@ def main() -> None:
         verbose=False,
     )  # flash_attn off, f16 KV cache: llama-cpp-python's defaults
     print(f"[llamacpp] {llama_cpp.llama_print_system_info().decode().strip()}", file=sys.stderr)
+    offline = offline_prompts(prompts)
+    speeds = [offline_throughput(llm, offline, args.threads) for _ in range(args.repeats)]
+    print(f"[llamacpp] {OFFLINE_REQUESTS} requests: {statistics.median(speeds):.1f} tok/s", file=sys.stderr)
     report(
         "llamacpp",
         "llama.cpp (llama-cpp-python)" + ("" if extra_buffers else ", extra buffer types off: they crash here"),
@@ -95,6 +141,7 @@ def main() -> None:
         args,
         lambda ids: prefill_time(llm, ids),
         lambda ids, new_tokens: decode_speed(llm, ids, new_tokens),
+        {OFFLINE: statistics.median(speeds)},
     )
 
 

@@ -12,6 +12,14 @@ import sys
 from collections.abc import Callable
 
 BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_NEW = 16, 100, 128  # vLLM's offline workload: prompts all at once
+OFFLINE = f"offline_{OFFLINE_REQUESTS}_tokens_per_s"
+
+
+def offline_prompts(prompts: dict[int, list[int]]) -> list[list[int]]:
+    """OFFLINE_REQUESTS prompts of OFFLINE_PROMPT tokens, each a different cut of the longest prompt."""
+    source = prompts[max(prompts)] * 2
+    return [source[i * 7 : i * 7 + OFFLINE_PROMPT] for i in range(OFFLINE_REQUESTS)]
 
 
 def native_dtype() -> str:

@@ -13,9 +13,7 @@ import os
 import statistics
 import time
 
-from runner import native_dtype, parse, report
-
-OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_NEW = 16, 100, 128
+from runner import OFFLINE, OFFLINE_NEW, OFFLINE_PROMPT, OFFLINE_REQUESTS, native_dtype, offline_prompts, parse, report
 
 
 def main() -> None:
@@ -40,11 +38,10 @@ def main() -> None:
         """(new_tokens - 1) / (time of new_tokens - time of 1): the decode after the prefill."""
         return (new_tokens - 1) / (run([ids], new_tokens) - run([ids], 1))
 
-    source = prompts[longest]
-    offline = [(source * 2)[i * 7 : i * 7 + OFFLINE_PROMPT] for i in range(OFFLINE_REQUESTS)]
+    offline = offline_prompts(prompts)
     run(offline, 2)  # warm-up
     speeds = [OFFLINE_REQUESTS * OFFLINE_NEW / run(offline, OFFLINE_NEW) for _ in range(args.repeats)]
-    extra = {f"offline_{OFFLINE_REQUESTS}_tokens_per_s": statistics.median(speeds), "dtype": dtype}
+    extra = {OFFLINE: statistics.median(speeds), "dtype": dtype}
     report("vllm", f"vLLM CPU ({dtype})", __version__, prompts, args, lambda ids: run([ids], 1), decode_speed, extra)
 
 

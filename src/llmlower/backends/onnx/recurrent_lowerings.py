@@ -59,6 +59,72 @@ def _start_and_valid(state, past_lens, input_lens, tokens_first):
     return start, op.Less(steps, op.Unsqueeze(input_lens, op.Constant(value_ints=[0])))
 
 
+def _delta_token(constants: dict[str, str]) -> list[onnx.NodeProto]:
+    """One token of the delta rule: S decays by exp(g), takes k beta (v - k S), and is read by q. S is read once
+    for both q S and k S (one MatMul), and the output q S' = exp(g) q S + (q · k) delta needs no second read."""
+    node = onnx.helper.make_node
+    return [
+        constant("axis2", [2]),
+        constant("axis3", [3]),
+        constant("first", [0]),
+        constant("second", [1]),
+        node("Exp", ["g_t"], ["decay"]),  # [batch, heads]
+        node("Unsqueeze", ["decay", "axis2"], ["decay3"]),
+        node("Unsqueeze", ["decay3", "axis3"], ["decay4"]),
+        node("Unsqueeze", ["q_t", "axis2"], ["q3"]),  # [batch, heads, 1, dk]
+        node("Unsqueeze", ["k_t", "axis2"], ["k3"]),
+        node("Concat", ["q3", "k3"], ["qk"], axis=2),  # [batch, heads, 2, dk]
+        node("MatMul", ["qk", "S"], ["qk_S"]),  # [batch, heads, 2, dv]: the state's one read
+        node("Gather", ["qk_S", "first"], ["q_S"], axis=2),
+        node("Gather", ["qk_S", "second"], ["k_S"], axis=2),
+        node("Squeeze", ["q_S", "axis2"], ["q_S3"]),  # [batch, heads, dv]
+        node("Squeeze", ["k_S", "axis2"], ["k_S3"]),
+        node("Mul", ["k_S3", "decay3"], ["predicted"]),
+        node("Sub", ["v_t", "predicted"], ["error"]),
+        node("Unsqueeze", ["beta_t", "axis2"], ["beta3"]),
+        node("Mul", ["error", "beta3"], ["delta"]),  # [batch, heads, dv]
+        node("Unsqueeze", ["delta", "axis2"], ["delta4"]),  # [batch, heads, 1, dv]
+        node("Unsqueeze", ["k_t", "axis3"], ["k4"]),  # [batch, heads, dk, 1]
+        node("MatMul", ["k4", "delta4"], ["update"]),  # k delta^T
+        node("Mul", ["S", "decay4"], ["decayed"]),
+        node("Add", ["decayed", "update"], ["S_updated"]),
+        node("Mul", ["q_t", "k_t"], ["q_times_k"]),
+        node("ReduceSum", ["q_times_k", "axis2"], ["q_dot_k"]),  # [batch, heads, 1]
+        node("Mul", ["q_S3", "decay3"], ["q_S_decayed"]),
+        node("Mul", ["q_dot_k", "delta"], ["q_update"]),
+        node("Add", ["q_S_decayed", "q_update"], ["out_t"]),
+    ]
+
+
+def _ssd_token(constants: dict[str, str]) -> list[onnx.NodeProto]:
+    """One token of Mamba-2's scan: S decays by exp(dt A), takes dt x B^T, and is read by C, as
+    S' C = exp(dt A) S C + (B · C) dt x: S is read once (one MatMul) besides its update."""
+    node = onnx.helper.make_node
+    return [
+        constant("axis2", [2]),
+        constant("axis3", [3]),
+        node("Mul", ["dt_t", constants["a"]], ["dt_a"]),  # [batch, heads]
+        node("Exp", ["dt_a"], ["decay"]),
+        node("Unsqueeze", ["decay", "axis2"], ["decay3"]),
+        node("Unsqueeze", ["decay3", "axis3"], ["decay4"]),
+        node("Unsqueeze", ["c_t", "axis3"], ["c4"]),  # [batch, heads, state, 1]
+        node("MatMul", ["S", "c4"], ["S_c"]),  # [batch, heads, head_dim, 1]: the state's one read
+        node("Squeeze", ["S_c", "axis3"], ["S_c3"]),
+        node("Unsqueeze", ["dt_t", "axis2"], ["dt3"]),
+        node("Mul", ["dt3", "x_t"], ["dt_x"]),  # [batch, heads, head_dim]
+        node("Unsqueeze", ["dt_x", "axis3"], ["dt_x4"]),
+        node("Unsqueeze", ["b_t", "axis2"], ["b4"]),  # [batch, heads, 1, state]
+        node("MatMul", ["dt_x4", "b4"], ["update"]),  # dt x B^T
+        node("Mul", ["S", "decay4"], ["decayed"]),  # [batch, heads, head_dim, state]
+        node("Add", ["decayed", "update"], ["S_updated"]),
+        node("Mul", ["b_t", "c_t"], ["b_times_c"]),
+        node("ReduceSum", ["b_times_c", "axis2"], ["b_dot_c"]),  # [batch, heads, 1]
+        node("Mul", ["S_c3", "decay3"], ["S_c_decayed"]),
+        node("Mul", ["b_dot_c", "dt_x"], ["c_update"]),
+        node("Add", ["S_c_decayed", "c_update"], ["out_t"]),  # [batch, heads, head_dim]
+    ]
+
+
 def _pairwise_decay(cumulative: str, name: str) -> list[onnx.NodeProto]:
     """exp(cumulative[t] - cumulative[i]) for i <= t, else 0 ([batch, heads, size, size], as `name`): the gaps above
     the diagonal (positive) are zeroed before the exp and after it."""
@@ -139,7 +205,9 @@ def _ssd_chunk(constants: dict[str, str]) -> list[onnx.NodeProto]:
     decay) x' and S <- G_last S + (x' G_last / G)^T B."""
     node = onnx.helper.make_node
     return [
-        node("Mul", ["dt_t", constants["a"]], ["dt_a"]),  # [batch, heads, size]
+        constant("axis1", [1]),
+        node("Unsqueeze", [constants["a"], "axis1"], ["a_heads"]),  # [heads, 1]
+        node("Mul", ["dt_t", "a_heads"], ["dt_a"]),  # [batch, heads, size]
         *_chunk_decays("dt_a"),
         node("Unsqueeze", ["dt_t", "axis3"], ["dt4"]),
         node("Mul", ["x_t", "dt4"], ["written"]),  # [batch, heads, size, head_dim]
@@ -182,41 +250,28 @@ def _selective_token(constants: dict[str, str]) -> list[onnx.NodeProto]:
 
 # a padded token leaves the state as it is: decay exp(0) = 1 and a write weighted by 0
 register_token_loop(
-    TokenLoop("GatedDeltaChunks", ("q", "k", "v", "g", "beta"), (), _delta_chunk, idle={"g": 0.0, "beta": 0.0})
+    TokenLoop(
+        "GatedDeltaScan",
+        ("q", "k", "v", "g", "beta"),
+        (),
+        _delta_token,
+        idle={"g": 0.0, "beta": 0.0},
+        chunk_body=_delta_chunk,
+        ranks=(4, 4, 4, 3, 3),
+    )
 )
-register_token_loop(TokenLoop("SsdChunks", ("x", "dt", "b", "c"), ("a",), _ssd_chunk, idle={"dt": 0.0}))
+register_token_loop(
+    TokenLoop(
+        "SsdScan",
+        ("x", "dt", "b", "c"),
+        ("a",),
+        _ssd_token,
+        idle={"dt": 0.0},
+        chunk_body=_ssd_chunk,
+        ranks=(4, 3, 4, 4),
+    )
+)
 register_token_loop(TokenLoop("SelectiveScan", ("x", "dt", "b", "c"), ("a",), _selective_token, idle={"dt": 0.0}))
-
-
-CHUNK = 64  # as the reference's chunked form (ir/chunk_scan.py)
-
-
-class _Chunking:
-    """A step's tokens in chunks of min(CHUNK, tokens): a prompt runs in tokens / CHUNK loop steps, a decode token
-    in one chunk of one. The last chunk is zero-padded (its padding is invalid, hence idle)."""
-
-    def __init__(self, tokens_first) -> None:
-        self.tokens = op.Shape(tokens_first, start=0, end=1)
-        self.size = op.Min(self.tokens, op.Constant(value_ints=[CHUNK]))
-        self.count = op.Div(op.Sub(op.Add(self.tokens, self.size), op.Constant(value_ints=[1])), self.size)
-        self.padding = op.Sub(op.Mul(self.count, self.size), self.tokens)
-
-    def split(self, x, rank: int):
-        """[tokens, batch, ...] of `rank` dimensions -> [chunks, batch, heads, size, ...] ([chunks, batch, size] for
-        a mask)."""
-        pads = op.Concat(
-            op.Constant(value_ints=[0] * rank), self.padding, op.Constant(value_ints=[0] * (rank - 1)), axis=0
-        )
-        padded = op.Pad(x, pads)
-        chunked = op.Reshape(padded, op.Concat(self.count, self.size, op.Shape(x, start=1), axis=0))
-        perm = [0, 2, 1] if rank == 2 else [0, 2, 3, 1, *range(4, rank + 1)]
-        return op.Transpose(chunked, perm=perm)
-
-    def join(self, x):
-        """A loop's outputs [chunks, batch, heads, size, d] -> [tokens, batch, heads, d]."""
-        ordered = op.Transpose(x, perm=[0, 3, 1, 2, 4])
-        flat = op.Reshape(ordered, op.Concat(op.Constant(value_ints=[-1]), op.Shape(ordered, start=2), axis=0))
-        return op.Slice(flat, op.Constant(value_ints=[0]), self.tokens, op.Constant(value_ints=[0]))
 
 
 def _channels_last_first(x):
@@ -246,23 +301,20 @@ def selective_step(x, dt, A, B, C, D, z, dt_bias, state, past_lens, input_lens, 
 
 def gated_delta_step(q, k, v, g, beta, state, past_lens, input_lens, use_qk_l2norm: bool):
     """The inputs laid out tokens first in float32 (q and k normalised, repeated to the value heads, q scaled), then
-    the recurrence as a Loop over chunks of tokens."""
+    the recurrence as a Loop over tokens (chunks of them for a prompt)."""
     group, scale, like = v.shape[2] // k.shape[2], float(q.shape[3]) ** -0.5, q
     q, k = _tokens_first(q, group), _tokens_first(k, group)
     if use_qk_l2norm:
         q, k = _l2_normalised(q), _l2_normalised(k)
     q = op.Mul(q, op.Constant(value_float=scale))
     start, valid = _start_and_valid(state, past_lens, input_lens, q)
-    chunks = _Chunking(q)
-    tensors = (q, k, _tokens_first(v), _tokens_first(g), _tokens_first(beta), valid)
-    arrays = (chunks.split(x, rank) for x, rank in zip(tensors, (4, 4, 4, 3, 3, 2), strict=True))
-    out, final = LOOPS.GatedDeltaChunks(*arrays, start)
-    return op.CastLike(op.Transpose(chunks.join(out), perm=[1, 0, 2, 3]), like), final
+    out, final = LOOPS.GatedDeltaScan(q, k, _tokens_first(v), _tokens_first(g), _tokens_first(beta), valid, start)
+    return op.CastLike(op.Transpose(out, perm=[1, 0, 2, 3]), like), final
 
 
 def ssd_step(x, dt, A, B, C, D, dt_bias, state, past_lens, input_lens, softplus: bool, dt_min: float, dt_max: float):
     """dt discretised, x, dt, B and C laid out tokens first in float32 (B and C repeated to the heads), the scan as
-    a Loop over chunks of tokens, then D's skip connection."""
+    a Loop over tokens (chunks of them for a prompt), then D's skip connection."""
     group = x.shape[2] // B.shape[2]
     dt = _tokens_first(dt)  # [tokens, batch, heads]
     if dt_bias is not None:
@@ -272,12 +324,9 @@ def ssd_step(x, dt, A, B, C, D, dt_bias, state, past_lens, input_lens, softplus:
     dt = op.Clip(dt, op.Constant(value_float=dt_min), op.Constant(value_float=min(dt_max, 3.4e38)))
     first = _tokens_first(x)
     start, valid = _start_and_valid(state, past_lens, input_lens, first)
-    a = op.Unsqueeze(op.Cast(A, to=onnx.TensorProto.FLOAT), op.Constant(value_ints=[1]))  # [heads, 1]
-    chunks = _Chunking(first)
-    tensors = (first, dt, _tokens_first(B, group), _tokens_first(C, group), valid)
-    arrays = (chunks.split(x, rank) for x, rank in zip(tensors, (4, 3, 4, 4, 2), strict=True))
-    y, final = LOOPS.SsdChunks(*arrays, a, start)
-    y = op.Transpose(chunks.join(y), perm=[1, 0, 2, 3])
+    a = op.Cast(A, to=onnx.TensorProto.FLOAT)
+    y, final = LOOPS.SsdScan(first, dt, _tokens_first(B, group), _tokens_first(C, group), valid, a, start)
+    y = op.Transpose(y, perm=[1, 0, 2, 3])
     if D is not None:
         d = op.Unsqueeze(op.Cast(D, to=onnx.TensorProto.FLOAT), op.Constant(value_ints=[1]))
         y = op.Add(y, op.Mul(d, op.Cast(x, to=onnx.TensorProto.FLOAT)))

@@ -1,6 +1,9 @@
-"""Recurrences over a step's tokens as ONNX Loops, for the recurrent ops of hybrid models: token by token, or chunk by
-chunk where an op has a chunked form (an iteration then reads chunk i of arrays laid out [chunks, batch, heads,
-size, ...], and `valid` [chunks, batch, size]).
+"""Recurrences over a step's tokens as ONNX Loops, for the recurrent ops of hybrid models.
+
+A step of one token (decode) loops over tokens. Where an op has a chunked form, a step of more (a prompt) loops over
+chunks of up to CHUNK tokens instead (an If on the token count picks): an iteration then reads chunk i of the arrays
+laid out [chunks, batch, heads, size, ...] and of `valid` [chunks, batch, size], the last chunk zero-padded (its
+padding invalid, hence idle), and the chunks' outputs are laid out token-first again after the Loop.
 
 torch.onnx's exporter gives a traced node only the outputs its schema lists, which for Loop is one (variadic). A
 lowering therefore emits a stand-in node of this module's domain, with the outputs (out, final state), and
@@ -25,6 +28,7 @@ from onnx import helper, numpy_helper
 DOMAIN = "llmlower.onnx"
 LOOPS = onnxscript.values.Opset(DOMAIN, 1)
 FLOAT = onnx.TensorProto.FLOAT
+CHUNK = 64  # tokens a chunk, as the reference's chunked form (ir/chunk_scan.py)
 
 
 @dataclass(frozen=True)
@@ -32,13 +36,16 @@ class TokenLoop:
     """A stand-in op: its per-token arrays, the constants its body reads whole, and the body's nodes, which read
     `S` and `<name>_t` (token i of each array) and the constants by name and write `S_updated` and `out_t`. `idle`
     names per-token arrays of [batch, n] and the value each takes at a padded token, with which the body leaves S
-    unchanged to the bit."""
+    unchanged to the bit. `chunk_body`, where the op has a chunked form: the same for chunk i (`<name>_t` [batch,
+    heads, size, ...]); `ranks`, each array's rank token-first, to lay it out in chunks."""
 
     name: str
     arrays: tuple[str, ...]
     constants: tuple[str, ...]
     body: Callable[[dict[str, str]], list[onnx.NodeProto]]
     idle: dict[str, float]
+    chunk_body: Callable[[dict[str, str]], list[onnx.NodeProto]] | None = None
+    ranks: tuple[int, ...] = ()
 
 
 REGISTERED: dict[str, TokenLoop] = {}
@@ -70,9 +77,9 @@ def constant(name: str, values: list[int]) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, dtype=np.int64)))
 
 
-def _body(loop: TokenLoop, outer: list[str]) -> onnx.GraphProto:
-    """(i, cond, S) -> (cond, S', out_i): token i of the outer arrays (the idle ones where the token is padding),
-    then the loop's own nodes."""
+def _body(loop: TokenLoop, outer: list[str], step: Callable[[dict[str, str]], list[onnx.NodeProto]]) -> onnx.GraphProto:
+    """(i, cond, S) -> (cond, S', out_i): token (or chunk) i of the outer arrays (the idle ones where the token is
+    padding), then the `step` body's nodes."""
     arrays, valid = outer[: len(loop.arrays)], outer[len(loop.arrays)]
     constants = dict(zip(loop.constants, outer[len(loop.arrays) + 1 : -1], strict=True))
     nodes = [
@@ -91,7 +98,7 @@ def _body(loop: TokenLoop, outer: list[str]) -> onnx.GraphProto:
             helper.make_node("Where", ["valid2", f"{role}_given", f"{role}_idle"], [f"{role}_t"]),
         ]
     nodes += [
-        *loop.body(constants),
+        *step(constants),
         helper.make_node("Identity", ["S_updated"], ["S_next"]),
         helper.make_node("Identity", ["cond"], ["cond_next"]),
     ]
@@ -111,28 +118,101 @@ def _body(loop: TokenLoop, outer: list[str]) -> onnx.GraphProto:
     )
 
 
+def _loop(loop: TokenLoop, inputs: list[str], trips: str, outputs: list[str], prefix: str, step) -> onnx.NodeProto:
+    """The Loop of `step` over `trips` iterations of `inputs` (a stand-in's), writing (final state, stacked out)."""
+    return helper.make_node(
+        "Loop", [trips, f"{prefix}_true", inputs[-1]], outputs, name=prefix, body=_body(loop, inputs, step)
+    )
+
+
+def _chunked(loop: TokenLoop, inputs: list[str], out: str, prefix: str) -> list[onnx.NodeProto]:
+    """Nodes that lay the arrays and `valid` out in chunks (padded), loop over the chunks with the chunked body, and
+    write (final state, out token-first) as `out`_state and `out`."""
+    node, names = helper.make_node, [*inputs[: len(loop.arrays) + 1]]
+    p = f"{prefix}_chunk"
+    nodes = [
+        node("Shape", [inputs[0]], [f"{p}_tokens"], start=0, end=1),
+        constant(f"{p}_limit", [CHUNK]),
+        constant(f"{p}_one", [1]),
+        constant(f"{p}_zero", [0]),
+        constant(f"{p}_back", [-1]),
+        node("Min", [f"{p}_tokens", f"{p}_limit"], [f"{p}_size"]),
+        node("Add", [f"{p}_tokens", f"{p}_size"], [f"{p}_over"]),
+        node("Sub", [f"{p}_over", f"{p}_one"], [f"{p}_ceiling"]),
+        node("Div", [f"{p}_ceiling", f"{p}_size"], [f"{p}_count"]),
+        node("Mul", [f"{p}_count", f"{p}_size"], [f"{p}_padded"]),
+        node("Sub", [f"{p}_padded", f"{p}_tokens"], [f"{p}_padding"]),
+        node("Squeeze", [f"{p}_count", f"{p}_zero"], [f"{p}_trips"]),
+    ]
+    chunked = []
+    for index, (name, rank) in enumerate(zip(names, (*loop.ranks, 2), strict=True)):
+        q = f"{p}_{index}"
+        perm = [0, 2, 1] if rank == 2 else [0, 2, 3, 1, *range(4, rank + 1)]
+        nodes += [
+            constant(f"{q}_before", [0] * rank),
+            constant(f"{q}_after_rest", [0] * (rank - 1)),
+            node("Concat", [f"{q}_before", f"{p}_padding", f"{q}_after_rest"], [f"{q}_pads"], axis=0),
+            node("Pad", [name, f"{q}_pads"], [f"{q}_padded"]),
+            node("Shape", [name], [f"{q}_rest"], start=1),
+            node("Concat", [f"{p}_count", f"{p}_size", f"{q}_rest"], [f"{q}_shape"], axis=0),
+            node("Reshape", [f"{q}_padded", f"{q}_shape"], [f"{q}_split"]),
+            node("Transpose", [f"{q}_split"], [f"{q}_chunks"], perm=perm),
+        ]
+        chunked.append(f"{q}_chunks")
+    chunk_inputs = [*chunked, *inputs[len(loop.arrays) + 1 :]]
+    nodes += [
+        _loop(loop, chunk_inputs, f"{p}_trips", [f"{out}_state", f"{p}_outs"], prefix, loop.chunk_body),
+        node("Transpose", [f"{p}_outs"], [f"{p}_ordered"], perm=[0, 3, 1, 2, 4]),  # [chunks, size, batch, heads, d]
+        node("Shape", [f"{p}_ordered"], [f"{p}_inner"], start=2),
+        node("Concat", [f"{p}_back", f"{p}_inner"], [f"{p}_flat_shape"], axis=0),
+        node("Reshape", [f"{p}_ordered", f"{p}_flat_shape"], [f"{p}_flat"]),
+        node("Slice", [f"{p}_flat", f"{p}_zero", f"{p}_tokens", f"{p}_zero"], [out]),
+    ]
+    return nodes
+
+
+def _branch(name: str, nodes: list[onnx.NodeProto], outputs: list[str]) -> onnx.GraphProto:
+    """An If branch: `nodes`, reading the outer graph's values, writing `outputs`."""
+    return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(o, FLOAT, None) for o in outputs])
+
+
+def _expansion(loop: TokenLoop, node: onnx.NodeProto, prefix: str) -> list[onnx.NodeProto]:
+    """A stand-in's nodes: its Loop over tokens, or, for an op with a chunked form, an If that runs a step of more
+    than one token over chunks and a step of one over tokens."""
+    inputs, (out, final) = list(node.input), node.output
+    nodes = [
+        helper.make_node("Shape", [inputs[0]], [f"{prefix}_tokens"], start=0, end=1),
+        constant(f"{prefix}_axis0", [0]),
+        helper.make_node("Squeeze", [f"{prefix}_tokens", f"{prefix}_axis0"], [f"{prefix}_trips"]),
+        helper.make_node("Constant", [], [f"{prefix}_true"], value=numpy_helper.from_array(np.array(True))),
+    ]
+    if loop.chunk_body is None:
+        return [*nodes, _loop(loop, inputs, f"{prefix}_trips", [final, out], prefix, loop.body)]
+    one = numpy_helper.from_array(np.array(1, dtype=np.int64))
+    by_tokens = _loop(loop, inputs, f"{prefix}_trips", [f"{prefix}_t_state", f"{prefix}_t_out"], prefix, loop.body)
+    by_chunks = _chunked(loop, inputs, f"{prefix}_c_out", prefix)
+    return [
+        *nodes,
+        helper.make_node("Constant", [], [f"{prefix}_single"], value=one),
+        helper.make_node("Greater", [f"{prefix}_trips", f"{prefix}_single"], [f"{prefix}_prompt"]),
+        helper.make_node(
+            "If",
+            [f"{prefix}_prompt"],
+            [final, out],
+            then_branch=_branch(f"{prefix}_chunks", by_chunks, [f"{prefix}_c_out_state", f"{prefix}_c_out"]),
+            else_branch=_branch(f"{prefix}_tokens", [by_tokens], [f"{prefix}_t_state", f"{prefix}_t_out"]),
+        ),
+    ]
+
+
 def expand_token_loops(model: onnx.ModelProto) -> int:
-    """Replace each stand-in of `model` by its Loop over tokens (the trip count is the first array's length), in
-    place; returns how many."""
+    """Replace each stand-in of `model` by its Loop (the trip count is the first array's length; an If choosing
+    between chunks and tokens where the op has a chunked form), in place; returns how many."""
     graph, count = model.graph, 0
     for index, node in reversed(list(enumerate(graph.node))):
         if node.domain != DOMAIN:
             continue
-        loop = REGISTERED[node.op_type]
-        prefix = f"{node.op_type}_{index}"
-        nodes = [
-            helper.make_node("Shape", [node.input[0]], [f"{prefix}_tokens"], start=0, end=1),
-            constant(f"{prefix}_axis0", [0]),
-            helper.make_node("Squeeze", [f"{prefix}_tokens", f"{prefix}_axis0"], [f"{prefix}_trips"]),
-            helper.make_node("Constant", [], [f"{prefix}_true"], value=numpy_helper.from_array(np.array(True))),
-            helper.make_node(
-                "Loop",
-                [f"{prefix}_trips", f"{prefix}_true", node.input[-1]],
-                [node.output[1], node.output[0]],
-                name=prefix,
-                body=_body(loop, list(node.input)),
-            ),
-        ]
+        nodes = _expansion(REGISTERED[node.op_type], node, f"{node.op_type}_{index}")
         graph.node.remove(node)
         for offset, new in enumerate(nodes):
             graph.node.insert(index + offset, new)
