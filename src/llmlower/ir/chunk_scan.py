@@ -21,10 +21,19 @@ CHUNK = 64  # tokens a chunk: the intra-chunk products grow with its square, the
 Chunk = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def runs_in_chunks(x: torch.Tensor) -> bool:
-    """Whether a reference runs x's tokens in the chunked form: a prompt (more than one token) on real tensors. A
-    traced reference (an export for MLIR, whose token count is symbolic) keeps the one-token recurrence."""
-    return detect_fake_mode(x) is None and x.shape[TOKENS] > 1
+# form(first input, ...) -> (outputs, last state): a scan over [batch, heads, tokens, ...] inputs, either form
+Form = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def by_length(recurrence: Form, chunked: Form) -> Form:
+    """A scan that runs `chunked` on a prompt (more than one token) of real tensors and `recurrence` otherwise: a
+    decode token, or a traced reference (an export for MLIR, whose token count is symbolic)."""
+
+    def scan(first: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        prompt = detect_fake_mode(first) is None and first.shape[TOKENS] > 1
+        return (chunked if prompt else recurrence)(first, *rest)
+
+    return scan
 
 
 def pairwise_decay(cumulative: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunk_scan import pairwise_decay, runs_in_chunks, scan_chunks
+from .chunk_scan import by_length, pairwise_decay, scan_chunks
 from .registry import NAMESPACE, Cost, OpDef, register_op
 from .token_scan import scan_tokens
 
@@ -61,14 +61,9 @@ def delta_recurrence(
 
 
 def delta_chunks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
     valid: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """delta_recurrence's result in the chunked form: padded tokens idle (g and beta 0)."""
     idle = valid[:, None]
     g, beta = torch.where(idle, g, 0.0), torch.where(idle, beta, 0.0)
@@ -89,10 +84,7 @@ def _delta_chunk(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, t
     return out, state * last.exp()[..., None] + carried
 
 
-def _delta(q, k, v, g, beta, state, valid) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked form for a prompt, the recurrence otherwise."""
-    form = delta_chunks if runs_in_chunks(q) else delta_recurrence
-    return form(q, k, v, g, beta, state, valid)
+_delta = by_length(delta_recurrence, delta_chunks)  # the chunked form for a prompt, the recurrence otherwise
 
 
 def gated_delta_rule_reference(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunk_scan import pairwise_decay, runs_in_chunks, scan_chunks
+from .chunk_scan import by_length, pairwise_decay, scan_chunks
 from .registry import NAMESPACE, Cost, OpDef, register_op
 from .token_scan import scan_tokens
 
@@ -82,10 +82,7 @@ def _ssd_chunk(state: torch.Tensor, x, dt, B, C, A) -> tuple[torch.Tensor, torch
     return y, state * last.exp()[..., None] + carried
 
 
-def _ssd(x, dt, A, B, C, state, valid) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked form for a prompt, the recurrence otherwise."""
-    form = ssd_chunks if runs_in_chunks(x) else ssd_recurrence
-    return form(x, dt, A, B, C, state, valid)
+_ssd = by_length(ssd_recurrence, ssd_chunks)  # the chunked form for a prompt, the recurrence otherwise
 
 
 def ssd_scan_reference(
