@@ -83,9 +83,10 @@ def test_the_pass_keeps_the_logits_within_its_tolerance(arch, captures, tiny_che
     assert 0 < record.max_error <= 0.1
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3_5", "falcon_h1"])
 def test_the_pass_takes_paged_pools(arch, captures):
-    """After paged_attention (TVM's layout): int8 pools, verified on the logits of prompts packed into blocks."""
+    """After paged_attention (TVM's layout): int8 pools, verified on the logits of prompts packed into blocks (a
+    hybrid's recurrent state pools beside them, calibrated from zeros)."""
     pipeline = with_kv_layout(DEFAULT_PIPELINE, KVLayout.PAGED, 4)
     calibration = {"calibration": list(range(5, 200))}
     program = run_pipeline(captures(arch), [*pipeline, ("kv_cache_dtype", calibration)], verify=True)

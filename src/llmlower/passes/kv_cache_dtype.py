@@ -36,7 +36,7 @@ from ..ir.program import (
 )
 from ..ir.qkv_attention import QKV_ATTENTION
 from ..ir.rope import ROPE
-from ..step_io import BLOCK_TABLES, KV_CACHE_DTYPES, KVLayout, cache_layer, state_layer
+from ..step_io import BLOCK_TABLES, KV_CACHE_DTYPES, STATE_SLOTS, KVLayout, cache_layer, state_layer
 from .registry import Pass, Tensors, Verification, register_pass
 
 INT8_MAX = 127
@@ -66,8 +66,9 @@ def calibration_inputs(program: Program, ids: list[int], every_logit: bool = Fal
         INPUT_LENS: torch.tensor([tokens]),
         LOGITS_INDICES: torch.arange(tokens) if every_logit else torch.tensor([tokens - 1]),
         BLOCK_TABLES: torch.arange(blocks)[None],
+        STATE_SLOTS: torch.zeros(1, dtype=torch.int64),  # PAGED: the sequence's row of each state pool
     }
-    sizes = {"batch": 1, "context": tokens, "pool": blocks}
+    sizes = {"batch": 1, "context": tokens, "pool": blocks, "slots": 1}
     for spec in program.inputs:
         if cache_layer(spec.name) is not None or state_layer(spec.name) is not None:
             shape = [sizes.get(d, d) for d in spec.shape]
