@@ -113,6 +113,14 @@ def test_a_float32_paged_program_is_refused_by_name(tiny_llama):
         to_onnx(program)
 
 
+def test_a_paged_recurrent_state_is_refused_by_name_with_the_layouts_that_run_it(tiny_checkpoints):
+    """A hybrid model in the paged layout (what --target cuda compiles): refused naming the recurrent op, pointing
+    at the CPU target and TVM, before anything is exported."""
+    _, program = compile_program(tiny_checkpoints["lfm2"], DEFAULT_PIPELINE, dtype="float16", kv_layout=KVLayout.PAGED)
+    with pytest.raises(LoweringError, match=r"node paged_causal_conv1d\w* .*--target cpu.*--backend tvm"):
+        to_onnx(program)
+
+
 # ---------------------------------------------------------------- the graph's numbers, on the CPU
 
 

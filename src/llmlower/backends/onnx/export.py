@@ -11,7 +11,7 @@ import onnx
 import torch
 
 from ...errors import LlmlowerError
-from ...ir import OPS, PAGED_ATTENTION, PAGED_QKV_ATTENTION, QKV_ATTENTION
+from ...ir import OPS, PAGED_ATTENTION, PAGED_QKV_ATTENTION, PAGED_RECURRENT, QKV_ATTENTION
 from ...ir.program import Program
 from ...step_io import PRESENT_PREFIX
 from .lowerings import translations
@@ -56,6 +56,12 @@ def check_lowerable(program: Program) -> None:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in ours:
             continue
+        if node.target in PAGED_RECURRENT.values():
+            raise LoweringError(
+                f"the ONNX backend cannot lower node {node.name} (op {node.target}): a hybrid model's recurrent "
+                "state in pools of rows (the paged layout) has no ONNX Runtime kernel; the CPU target keeps it per "
+                "sequence (--target cpu), TVM runs the paged layout (--backend tvm)"
+            )
         if node.target not in lowered:
             raise LoweringError(f"the ONNX backend cannot lower node {node.name} (op {node.target})")
         if node.target in PAGED_OPS and (dtype := _activation_dtype(node, program)) not in PAGED_DTYPES:
