@@ -133,9 +133,9 @@ class BlockManager:
             return cached
         new_blocks = self.blocks_needed(len(token_ids)) - len(hits)  # room for the whole prompt
         reusable = sum(1 for block in hits if self.refs[block] == 0)  # cached, unreferenced: counted as free
-        if self.num_free_blocks - reusable < new_blocks + reserve or len(self.free_slots) < width * bool(
-            self.num_slots
-        ):
+        if self.num_free_blocks - reusable < new_blocks + reserve:
+            return None
+        if self.num_slots and len(self.free_slots) < width:  # a recurrent-state row for it and each fork
             return None
         table = self.tables[seq_id] = _Table()
         if self.num_slots:  # a recurrent-state row for it and each of its forks

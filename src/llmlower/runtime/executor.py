@@ -13,7 +13,7 @@ import itertools
 import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,12 @@ class PackedBatch:
     block_tables: np.ndarray  # [seqs, max blocks], unused entries 0
     logits_indices: np.ndarray  # [logits]: indices into the packed row of the tokens that get logits
     state_slots: np.ndarray | None = None  # [seqs]: each sequence's row of the recurrent states (hybrid models)
+
+    def with_state_rows(self) -> PackedBatch:
+        """Itself, or where the step names no state rows, sequences 0, 1, ... in rows 0, 1, ... (scoring, tests)."""
+        if self.state_slots is not None:
+            return self
+        return replace(self, state_slots=np.arange(len(self.input_lens), dtype=np.int64))
 
 
 def _last_indices(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:

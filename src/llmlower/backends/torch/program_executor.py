@@ -99,8 +99,8 @@ class TorchExecutor(Executor):
         rows = torch.from_numpy(blocks)
         packed = replace(packed, block_tables=local.reshape(packed.block_tables.shape))
         if self.states:  # the rows the step's state slots name, renumbered as the blocks are
-            given = np.arange(len(batch.tokens)) if batch.state_slots is None else np.asarray(batch.state_slots)
-            slots, local_slots = np.unique(given, return_inverse=True)
+            packed = packed.with_state_rows()
+            slots, local_slots = np.unique(packed.state_slots, return_inverse=True)
             packed = replace(packed, state_slots=local_slots.astype(np.int64))
         arrays = step_arrays(packed)
         inputs = {name: torch.from_numpy(array) for name, array in arrays.items()}
