@@ -20,7 +20,6 @@ CHUNK = 64  # tokens a chunk: the intra-chunk products grow with its square, the
 # chunk(state, *inputs of one chunk [batch, heads, size, ...], *constants) -> (its outputs, the state after it)
 Chunk = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-
 # form(first input, ...) -> (outputs, last state): a scan over [batch, heads, tokens, ...] inputs, either form
 Form = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -56,19 +55,10 @@ def scan_chunks(
     last one zero-padded, which is idle too), from `state`. Returns the outputs [batch, heads, tokens, ...] and the
     last state."""
     tokens = inputs[0].shape[TOKENS]
+    padding = -tokens % size
+    padded = [torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1 - TOKENS) + (0, padding)) for x in inputs]
     outputs = []
-    for start in range(0, tokens, size):
-        part = [_padded(x.narrow(TOKENS, start, min(size, tokens - start)), size) for x in inputs]
-        out, state = chunk(state, *part, *constants)
+    for start in range(0, tokens + padding, size):
+        out, state = chunk(state, *(x.narrow(TOKENS, start, size) for x in padded), *constants)
         outputs.append(out)
     return torch.cat(outputs, dim=TOKENS).narrow(TOKENS, 0, tokens), state
-
-
-def _padded(x: torch.Tensor, size: int) -> torch.Tensor:
-    """x with zeros after its tokens up to `size`."""
-    missing = size - x.shape[TOKENS]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[TOKENS] = missing
-    return torch.cat((x, x.new_zeros(shape)), dim=TOKENS)

@@ -174,7 +174,7 @@ def _delta_chunk(constants: dict[str, str]) -> list[onnx.NodeProto]:
         node("Transpose", ["k_t"], ["k_T"], perm=[0, 1, 3, 2]),
         node("MatMul", ["k_beta", "k_T"], ["k_beta_k"]),  # [batch, heads, size, size]
         node("Mul", ["k_beta_k", "decay"], ["k_beta_k_decayed"]),
-        onnx.helper.make_node("Constant", [], ["below"], value=onnx.numpy_helper.from_array(np.array(-1))),
+        node("Constant", [], ["below"], value=onnx.numpy_helper.from_array(np.array(-1))),
         node("Trilu", ["k_beta_k_decayed", "below"], ["strictly_lower"], upper=0),
         node("Shape", ["strictly_lower"], ["square_shape"], start=2),
         node("ConstantOfShape", ["square_shape"], ["square"]),

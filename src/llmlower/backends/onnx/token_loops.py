@@ -25,10 +25,11 @@ import onnx
 import onnxscript
 from onnx import helper, numpy_helper
 
+from ...ir.chunk_scan import CHUNK
+
 DOMAIN = "llmlower.onnx"
 LOOPS = onnxscript.values.Opset(DOMAIN, 1)
 FLOAT = onnx.TensorProto.FLOAT
-CHUNK = 64  # tokens a chunk, as the reference's chunked form (ir/chunk_scan.py)
 
 
 @dataclass(frozen=True)
@@ -125,23 +126,22 @@ def _loop(loop: TokenLoop, inputs: list[str], trips: str, outputs: list[str], pr
     )
 
 
-def _chunked(loop: TokenLoop, inputs: list[str], out: str, prefix: str) -> list[onnx.NodeProto]:
+def _chunked(loop: TokenLoop, inputs: list[str], tokens: str, out: str, prefix: str) -> list[onnx.NodeProto]:
     """Nodes that lay the arrays and `valid` out in chunks (padded), loop over the chunks with the chunked body, and
-    write (final state, out token-first) as `out`_state and `out`."""
+    write (final state, out token-first) as `out`_state and `out`. `tokens`: the step's token count, [1]."""
     node, names = helper.make_node, [*inputs[: len(loop.arrays) + 1]]
     p = f"{prefix}_chunk"
     nodes = [
-        node("Shape", [inputs[0]], [f"{p}_tokens"], start=0, end=1),
         constant(f"{p}_limit", [CHUNK]),
         constant(f"{p}_one", [1]),
         constant(f"{p}_zero", [0]),
         constant(f"{p}_back", [-1]),
-        node("Min", [f"{p}_tokens", f"{p}_limit"], [f"{p}_size"]),
-        node("Add", [f"{p}_tokens", f"{p}_size"], [f"{p}_over"]),
+        node("Min", [tokens, f"{p}_limit"], [f"{p}_size"]),
+        node("Add", [tokens, f"{p}_size"], [f"{p}_over"]),
         node("Sub", [f"{p}_over", f"{p}_one"], [f"{p}_ceiling"]),
         node("Div", [f"{p}_ceiling", f"{p}_size"], [f"{p}_count"]),
         node("Mul", [f"{p}_count", f"{p}_size"], [f"{p}_padded"]),
-        node("Sub", [f"{p}_padded", f"{p}_tokens"], [f"{p}_padding"]),
+        node("Sub", [f"{p}_padded", tokens], [f"{p}_padding"]),
         node("Squeeze", [f"{p}_count", f"{p}_zero"], [f"{p}_trips"]),
     ]
     chunked = []
@@ -166,7 +166,7 @@ def _chunked(loop: TokenLoop, inputs: list[str], out: str, prefix: str) -> list[
         node("Shape", [f"{p}_ordered"], [f"{p}_inner"], start=2),
         node("Concat", [f"{p}_back", f"{p}_inner"], [f"{p}_flat_shape"], axis=0),
         node("Reshape", [f"{p}_ordered", f"{p}_flat_shape"], [f"{p}_flat"]),
-        node("Slice", [f"{p}_flat", f"{p}_zero", f"{p}_tokens", f"{p}_zero"], [out]),
+        node("Slice", [f"{p}_flat", f"{p}_zero", tokens, f"{p}_zero"], [out]),
     ]
     return nodes
 
@@ -190,7 +190,7 @@ def _expansion(loop: TokenLoop, node: onnx.NodeProto, prefix: str) -> list[onnx.
         return [*nodes, _loop(loop, inputs, f"{prefix}_trips", [final, out], prefix, loop.body)]
     one = numpy_helper.from_array(np.array(1, dtype=np.int64))
     by_tokens = _loop(loop, inputs, f"{prefix}_trips", [f"{prefix}_t_state", f"{prefix}_t_out"], prefix, loop.body)
-    by_chunks = _chunked(loop, inputs, f"{prefix}_c_out", prefix)
+    by_chunks = _chunked(loop, inputs, f"{prefix}_tokens", f"{prefix}_c_out", prefix)
     return [
         *nodes,
         helper.make_node("Constant", [], [f"{prefix}_single"], value=one),
