@@ -41,7 +41,7 @@ def awq(program: Program, calibration: Sequence[int] = (), quant: dict[str, Any]
         raise PassError("awq: calibration needs at least two token ids")
     if not quant or (quant.get("bits", 4) != 4 and not quant.get("overrides")):
         raise PassError("awq: quant needs quantize_weights' options with int4 weights (e.g. --quant q4g32-sym)")
-    return program, scale_channels(program, calibration, quant_plan("awq", quant), ActivationAware())
+    return program, scale_channels(program, calibration, quant_plan("awq", quant), ActivationAware(), "awq")
 
 
 register_pass(

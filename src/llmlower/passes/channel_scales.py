@@ -27,6 +27,7 @@ from ..ir.norms import ADD_RMS_NORM, RMS_NORM
 from ..ir.program import LOGITS, Program, fetch_attr
 from ..ir.quant import QuantScheme, dequantize, quantize
 from ..ir.silu_mul import SILU_MUL
+from .calibration_store import remembered
 from .graph_utils import RESHAPES, finish, lm_head, output_node_for
 from .kv_cache_dtype import calibration_inputs
 from .patterns import is_constant
@@ -261,34 +262,51 @@ def _search(
     return best[1], first, best[0]
 
 
-def scale_channels(program: Program, calibration: Sequence[int], plan: QuantPlan, method: Method) -> dict:
-    """Scale each group the method takes, in place; the pass's statistics."""
+def scale_channels(
+    program: Program, calibration: Sequence[int], plan: QuantPlan, method: Method, name: str
+) -> dict[str, Any]:
+    """Scale each group the method takes, in place; the pass's statistics. The scales are kept in the calibration
+    store under the pass's `name` (a compile with the same program, plan and tokens reads them back)."""
     calibration = list(calibration)[: program.spec.max_positions]
     gm = program.graph_module
     constants = _Constants(gm)
     groups, unfoldable = _groups(program, plan, constants, method)
-    inputs = calibration_inputs(program, calibration)
-    with torch.no_grad():
-        _Recorder(gm, {g.activation: g for g in groups}).run(*(inputs[n] for n in program.input_names))
-    before = after = 0.0
-    for group in groups:
+
+    def group_weights(group: Group) -> list[tuple[torch.Tensor, QuantScheme]]:
+        """The group's float weights [out, in] and the scheme each will get."""
         weights = []
         for linear in group.linears:
             _, weight, _, transposed = as_linear(linear)
             value = constants.get(weight).float()
             weights.append((value.T if transposed else value, plan.scheme_for(weight.target)))
-        s, unscaled, scaled = _search(group.rows, weights, method)
-        before, after = before + unscaled, after + scaled
-        for linear, (value, _) in zip(group.linears, weights, strict=True):
+        return weights
+
+    def search() -> dict[str, torch.Tensor]:
+        inputs = calibration_inputs(program, calibration)
+        with torch.no_grad():
+            _Recorder(gm, {g.activation: g for g in groups}).run(*(inputs[n] for n in program.input_names))
+        found, errors = {}, torch.zeros(2, dtype=torch.float64)
+        for index, group in enumerate(groups):
+            found[str(index)], unscaled, scaled = _search(group.rows, group_weights(group), method)
+            errors += torch.tensor([unscaled, scaled], dtype=torch.float64)
+            group.rows = None
+        return {**found, "error": errors}
+
+    options = {"plan": repr(plan), "method": type(method).__name__, "calibration": calibration}
+    found, cached = remembered(name, program, options, search)
+    for index, group in enumerate(groups):
+        s = found[str(index)]
+        for linear, (value, _) in zip(group.linears, group_weights(group), strict=True):
             _, weight, _, transposed = as_linear(linear)
             dtype = constants.get(weight).dtype
             constants.set(weight, ((value * s).T if transposed else value * s).to(dtype))
         group.fold(s)
-        group.rows = None
     finish(gm)
+    before, after = (float(value) for value in found["error"])
     return {
         "groups_scaled": len(groups),
         "groups_unfoldable": unfoldable,
         "calibration_tokens": len(calibration),
+        "calibration_cached": cached,
         "output_error_ratio": round(after / before, 4) if before else 1.0,
     }

@@ -17,8 +17,9 @@ import torch
 import torch.fx
 
 from ..errors import PassError
-from ..ir.program import Program
+from ..ir.program import Program, fetch_attr
 from ..ir.quant import QuantizedWeight, QuantScheme, dequantize, pack, quantize, zero_points
+from .calibration_store import remembered
 from .kv_cache_dtype import calibration_inputs
 from .quantize_weights import (
     WeightKey,
@@ -119,23 +120,53 @@ def _dequantized(packed: QuantizedWeight, scheme: QuantScheme) -> torch.Tensor:
 
 
 def gptq(program: Program, calibration: Sequence[int] = (), **options: Any) -> tuple[Program, dict[str, Any]]:
-    """`options`: quantize_weights'; `calibration`: the token ids the inputs X come from."""
+    """`options`: quantize_weights'; `calibration`: the token ids the inputs X come from. The rounded weights are
+    kept in the calibration store (a compile with the same program, options and tokens reads them back)."""
     if len(calibration) < 2:
         raise PassError("gptq: calibration needs at least two token ids")
     plan = quant_plan("gptq", options)
     calibration = list(calibration)[: program.spec.max_positions]
     schemes = {node: scheme for node, scheme in linear_schemes(program, plan).items() if scheme is not None}
-    rounder = _Rounder(program.graph_module, schemes)
-    inputs = calibration_inputs(program, calibration, every_logit=True)  # the LM head sees every token
-    with torch.no_grad():
-        rounder.run(*(inputs[name] for name in program.input_names))
-    stats = replace_weights(program, plan, rounder.rounded)
-    nearest = rounder.error["nearest"]
+    keys = list(dict.fromkeys(_weight_key(program, node, scheme) for node, scheme in schemes.items()))
+
+    def calibrate() -> dict[str, torch.Tensor]:
+        rounder = _Rounder(program.graph_module, schemes)
+        inputs = calibration_inputs(program, calibration, every_logit=True)  # the LM head sees every token
+        with torch.no_grad():
+            rounder.run(*(inputs[name] for name in program.input_names))
+        tensors = {"error": torch.tensor([rounder.error["gptq"], rounder.error["nearest"]], dtype=torch.float64)}
+        for index, key in enumerate(keys):
+            packed = rounder.rounded[key]
+            tensors |= {f"{index}.qweight": packed.qweight, f"{index}.scales": packed.scales}
+            tensors[f"{index}.in_features"] = torch.tensor(packed.in_features)
+            if packed.zeros is not None:
+                tensors[f"{index}.zeros"] = packed.zeros
+        return tensors
+
+    tensors, cached = remembered("gptq", program, {**options, "calibration": calibration}, calibrate)
+    rounded = {
+        key: QuantizedWeight(
+            tensors[f"{index}.qweight"],
+            tensors[f"{index}.scales"],
+            tensors.get(f"{index}.zeros"),
+            int(tensors[f"{index}.in_features"]),
+        )
+        for index, key in enumerate(keys)
+    }
+    stats = replace_weights(program, plan, rounded)
+    error, nearest = (float(value) for value in tensors["error"])
     return program, {
         **stats,
         "calibration_tokens": len(calibration),
-        "output_error_ratio": round(rounder.error["gptq"] / nearest, 4) if nearest else 1.0,
+        "calibration_cached": cached,
+        "output_error_ratio": round(error / nearest, 4) if nearest else 1.0,
     }
+
+
+def _weight_key(program: Program, linear: torch.fx.Node, scheme: QuantScheme) -> WeightKey:
+    """The key _Rounder files a linear's rounded weight under."""
+    _, weight, _, transposed = as_linear(linear)
+    return weight_key(fetch_attr(program.graph_module, weight.target), scheme, transposed)
 
 
 register_pass(

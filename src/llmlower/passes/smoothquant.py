@@ -59,7 +59,7 @@ def smoothquant(
     plan = quant_plan("smoothquant", quant)
     if not smooths(plan):
         raise PassError("smoothquant: quant needs quantize_weights' options with per-channel int8 weights (q8c)")
-    return program, scale_channels(program, calibration, plan, Smoothing())
+    return program, scale_channels(program, calibration, plan, Smoothing(), "smoothquant")
 
 
 register_pass(
