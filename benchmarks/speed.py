@@ -48,6 +48,7 @@ from llmlower.frontend import capture, load, resolve_model
 from llmlower.frontend.example import cache_dir
 from llmlower.ir.program import Program
 from llmlower.passes import DEFAULT_PIPELINE, run_pipeline
+from llmlower.recipes import RECIPES, Recipe
 from llmlower.roofline import decode_read_bytes, machine_ceilings
 from llmlower.roofline.study import ABOVE_ROOF_NOTE, artifact_passes
 from llmlower.runtime import Engine, Executor, StepBatch, sequential_block_tables
@@ -88,6 +89,15 @@ ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline op
         {"quant": "q4g32-sym", "lm_head_bits": 4, "scale_dtype": "float16"},
     ),
 }
+
+
+def recipe_row(recipe: Recipe) -> tuple[str, str, dict[str, object]]:
+    """A named recipe's artifact as an ARTIFACTS row: its directory, backend and settings."""
+    settings = {k: v for k, v in recipe.settings.items() if k != "backend" and v not in (None, False, "auto")}
+    return f"recipe-{recipe.name}", recipe.backend, settings
+
+
+ARTIFACTS |= {f"recipe {r.name}": recipe_row(r) for r in RECIPES.values() if r.name != "exact"}  # exact: onnx fp32
 PROMPT_TOKENS = (13, 512)
 GENAI = "onnxruntime-genai int4"
 # ONNX ops that read one row of a constant table per token (the embedding, GroupQueryAttention's cos/sin caches)

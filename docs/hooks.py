@@ -2,7 +2,8 @@
 
 A page holds a marker comment where a generated section goes: `<!-- cli-reference -->` becomes every command of
 `llmlower.cli.build_parser()` (usage, description, options), `<!-- pass-reference -->` every registered pass
-with its own explanation (`llmlower.passes.PASSES`).
+with its own explanation (`llmlower.passes.PASSES`), `<!-- recipe-reference -->` the named recipes
+(`llmlower.recipes.RECIPES`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 CLI_MARKER = "<!-- cli-reference -->"
 PASS_MARKER = "<!-- pass-reference -->"
+RECIPE_MARKER = "<!-- recipe-reference -->"
 USAGE_WIDTH = 100  # argparse wraps usage to the terminal otherwise, so the page would depend on who built it
 
 
@@ -21,6 +23,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         markdown = markdown.replace(CLI_MARKER, cli_reference())
     if PASS_MARKER in markdown:
         markdown = markdown.replace(PASS_MARKER, pass_reference())
+    if RECIPE_MARKER in markdown:
+        markdown = markdown.replace(RECIPE_MARKER, recipe_reference())
     return markdown
 
 
@@ -82,6 +86,21 @@ def pass_reference() -> str:
         heading = f"### `{name}`\n\n*{summary}* ({where}; `--verify` tolerance: {tolerance})"
         sections.append(f"{heading}\n\n{literal(registered.explain)}")
     return "\n\n".join(sections) + "\n"
+
+
+def recipe_reference() -> str:
+    """The named recipes, fastest first, as `auto` tries them: the flags each stands for, the CPUs it is for and its
+    measured perplexity over fp32 on each held-out text."""
+    from llmlower.recipes import QUALITY_TEXTS, RECIPES
+
+    lines = ["| recipe | flags | for | " + " | ".join(f"{text}.txt" for text in QUALITY_TEXTS) + " | what it is |"]
+    lines.append("|---|---|---|" + "---:|" * len(QUALITY_TEXTS) + "---|")
+    for recipe in RECIPES.values():
+        machines = " or ".join("+".join(sorted(m)) for m in recipe.machines) or "any CPU"
+        quality = [f"+{recipe.quality[t]}%" if t in recipe.quality else "fp32" for t in QUALITY_TEXTS]
+        cells = [f"`{recipe.name}`", f"`{recipe.flags}`", machines, *quality, table_cell(recipe.summary)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def table_cell(text: str) -> str:

@@ -56,7 +56,7 @@ def artifact(request, tmp_path_factory) -> Path:
     if given := os.environ.get(ARTIFACT_VARIABLE):
         return Path(given)
     out = tmp_path_factory.mktemp("replicas") / "tiny-onnx"
-    assert main(["compile", str(request.getfixturevalue("tiny_llama")), "-o", str(out)]) == 0
+    assert main(["compile", str(request.getfixturevalue("tiny_llama")), "-o", str(out), "--recipe", "exact"]) == 0
     return out
 
 

@@ -37,7 +37,7 @@ def private_cache(tmp_path, monkeypatch) -> None:
 
 
 def _compile(model: Path, out: Path, backend: str, *flags: str) -> int:
-    return main(["compile", str(model), "-o", str(out), "--backend", backend, "--verify", *flags])
+    return main(["compile", str(model), "-o", str(out), "--backend", backend, "--recipe", "exact", "--verify", *flags])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

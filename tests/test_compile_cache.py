@@ -2,7 +2,8 @@
 compiles nothing, another --quant is another entry, a damaged file or a new toolkit compiles again in place, two
 callers at once compile once, --backend torch and bad flags write nothing.
 
-One entry (the tiny Llama, the recommended pipeline) is compiled once per module; tests start from a copy of it."""
+One entry (the tiny Llama, the auto recipe for ONNX Runtime) is compiled once per module; tests start from a copy of
+it."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import pytest
 
 from llmlower import compile_cache
 from llmlower.cli import main
-from llmlower.compile_cache import RECOMMENDED_QUANT, CompileRequest, load_compiled
+from llmlower.compile_cache import CompileRequest, load_compiled
 from llmlower.passes import build_pipeline
+from llmlower.recipes import pick_auto
 from llmlower.runtime.artifact import read_manifest
 
-ARGS = ["--prompt", "Hello there", "--max-tokens", "8", "--json"]
+ARGS = ["--prompt", "Hello there", "--max-tokens", "8", "--json", "--backend", "onnx"]
 
 
 def generate(model: Path, capsys: pytest.CaptureFixture, *flags: str) -> tuple[dict, str]:
@@ -54,14 +56,17 @@ def cache(first_run, tmp_path, monkeypatch) -> Path:
     return copy
 
 
-def test_the_first_run_compiles_the_recommended_pipeline_and_says_where(first_run, tiny_llama):
+def test_the_first_run_compiles_the_auto_recipe_and_says_where(first_run, tiny_llama):
     cache, result, err = first_run
     [entry] = entries(cache)
-    assert f"compiling {tiny_llama} with {RECOMMENDED_QUANT} for onnx/cpu once, cached at {entry}" in err
+    recipe, _ = pick_auto("onnx")
+    assert f"recipe auto -> {recipe.name}: " in err
+    assert f"compiling {tiny_llama} with {recipe.quant} for onnx/cpu once, cached at {entry}" in err
     assert "lower to ONNX" in err  # the compile's own progress follows
     manifest = read_manifest(entry)
     assert (manifest["backend"], manifest["target"]) == ("onnx", "cpu")
-    assert manifest["pipeline"][-1]["name"] == "quantize_weights"
+    assert manifest["pipeline"][-1]["name"] == ("gptq" if recipe.gptq else "quantize_weights")
+    assert (manifest["recipe"]["asked"], manifest["recipe"]["recipe"]) == ("auto", recipe.name)
     key = json.loads((entry / "cache_key.json").read_text())
     assert key["model"] == str(tiny_llama.resolve())
     assert set(key["model_files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
@@ -115,7 +120,7 @@ def test_a_new_toolkit_compiles_again_in_place(cache, tiny_llama, capsys, monkey
 
 def test_chat_runs_the_cached_entry(cache, tiny_llama, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/exit\n"))
-    assert main(["chat", str(tiny_llama), "--max-tokens", "4"]) == 0
+    assert main(["chat", str(tiny_llama), "--max-tokens", "4", "--backend", "onnx"]) == 0
     captured = capsys.readouterr()
     assert captured.out.count("> ") == 2 and "compiling" not in captured.err
 
@@ -123,7 +128,7 @@ def test_chat_runs_the_cached_entry(cache, tiny_llama, capsys, monkeypatch):
 def test_two_callers_at_once_compile_once(tiny_llama, tmp_path, monkeypatch):
     """flock locks belong to open file descriptions, so two threads contend for an entry as two processes do."""
     monkeypatch.setenv("LLMLOWER_CACHE", str(tmp_path / "cache"))
-    request = CompileRequest(tuple(build_pipeline(quant="q8")), "q8")
+    request = CompileRequest(tuple(build_pipeline(quant="q8")), "q8", "onnx")
     messages: list[str] = []
     manifests: list[dict] = []
     start = threading.Barrier(2)

@@ -43,7 +43,7 @@ def int8_artifacts(tiny_llama, tmp_path_factory):
     def artifact(backend: str):
         if backend not in built:
             built[backend] = root / backend
-            args = ["compile", str(tiny_llama), "-o", str(built[backend]), "--backend", backend]
+            args = ["compile", str(tiny_llama), "-o", str(built[backend]), "--backend", backend, "--recipe", "exact"]
             args += ["--kv-cache-dtype", "int8", "--draft-layers", "1", "--verify"]
             assert main([*args, *(["--block-size", str(BLOCK[backend])] if backend == "tvm" else [])]) == 0
         return built[backend]
@@ -203,7 +203,7 @@ def float16_pools(tiny_llama, tmp_path_factory):
     """The tiny Llama on TVM's CPU kernels with float16 pools (a float32 model), checked against the reference."""
     directory = tmp_path_factory.mktemp("kv-f16") / "tvm"
     args = ["compile", str(tiny_llama), "-o", str(directory), "--backend", "tvm", "--block-size", str(BLOCK["tvm"])]
-    assert main([*args, "--kv-cache-dtype", "float16", "--verify"]) == 0
+    assert main([*args, "--recipe", "exact", "--kv-cache-dtype", "float16", "--verify"]) == 0
     return directory
 
 

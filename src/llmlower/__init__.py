@@ -13,6 +13,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "compile_program": "llmlower.api",
     "load_engine": "llmlower.api",
+    "compile_model": "llmlower.api",
+    "load_model": "llmlower.api",
+    "RECIPES": "llmlower.recipes",
     "load": "llmlower.frontend",
     "capture": "llmlower.frontend",
     "run_pipeline": "llmlower.passes",

@@ -14,10 +14,11 @@ from .backends.manifest import cache_dtype
 from .backends.registry import BACKENDS, get_backend
 from .backends.torch.program_executor import TorchExecutor
 from .errors import ArgumentError, LlmlowerError
-from .frontend import LoadedModel, capture, load, resolve_model
+from .frontend import LoadedModel, cache_dir, capture, load, resolve_model
 from .frontend.calibration import calibration_ids
 from .ir import Program
 from .passes import DEFAULT_PIPELINE, PASSES, run_pipeline, with_kv_layout
+from .passes.calibration_store import calibration_store
 from .passes.manager import PassSpec, pass_specs, pass_steps
 from .progress import stage
 from .runtime import Engine, EngineConfig, Tokenizer
@@ -26,6 +27,8 @@ from .runtime.block_manager import kv_pool_blocks
 from .runtime.perplexity import PerplexityResult, check_window, perplexity
 from .step_io import DEFAULT_BLOCK_SIZE, KV_CACHE_DTYPES, KVLayout
 from .verify_artifact import verify_artifact
+
+CALIBRATION_DIR = "calibration"  # under the cache directory: calibrated passes' results (passes.calibration_store)
 
 
 def compile_program(
@@ -48,7 +51,8 @@ def compile_program(
         pipeline = with_kv_layout(pipeline, kv_layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
     pipeline = with_calibration(with_kv_cache_dtype(pipeline, kv_cache_dtype, dtype), loaded)
-    program = run_pipeline(capture(loaded), pipeline, verify=verify, dump_dir=dump_dir)
+    with calibration_store(cache_dir() / CALIBRATION_DIR):
+        program = run_pipeline(capture(loaded), pipeline, verify=verify, dump_dir=dump_dir)
     return loaded, program
 
 
@@ -197,6 +201,7 @@ def compile_artifact(
     write_extra: Callable[[Path], None] | None = None,
     draft_layers: int | Sequence[int] | None = None,
     kv_cache_dtype: str = "auto",
+    recipe: dict[str, Any] | None = None,
 ) -> Path:
     """Compile MODEL into a deployable artifact directory at `output` (written atomically) with the onnx backend
     (`accuracy_level`: MatMulNBits', default 4), the tvm one (`accuracy_level` 4, the cpu default: grouped int4 / int8
@@ -218,7 +223,10 @@ def compile_artifact(
 
     `kv_cache_dtype`: auto (the model's dtype), or another dtype by the kv_cache_dtype pass: float16 / bfloat16
     for a float32 model, int8 (its scales calibrated on frontend.calibration's text); each backend's
-    kv_cache_dtypes say which its kernels take."""
+    kv_cache_dtypes say which its kernels take.
+
+    `recipe`: the recipe the settings came from and why (recipes.Choice.to_dict()), recorded in the manifest; the
+    settings themselves are the arguments (compile_model resolves a recipe's name into them)."""
     check_output(output)  # a file or someone's directory is refused now, not replaced after compiling
     drafts = check_draft_layers(draft_layers)
     for k in drafts:
@@ -254,7 +262,8 @@ def compile_artifact(
     loaded = load(resolve_model(model), dtype=dtype)
     check_draft_layers(drafts, loaded.spec.num_layers)  # before minutes of compiling
     pipeline = with_calibration(with_kv_cache_dtype(pipeline, kv_cache_dtype, dtype), loaded)
-    program = run_pipeline(capture(loaded), pipeline, verify=verify)
+    with calibration_store(cache_dir() / CALIBRATION_DIR):
+        program = run_pipeline(capture(loaded), pipeline, verify=verify)
 
     def write_tokenizer(directory: Path) -> None:
         loaded.tokenizer.write(directory)
@@ -263,6 +272,8 @@ def compile_artifact(
     def build(built: Program, directory: Path | str, **extra: Any) -> Path:
         """The backend's build of the target's program or a draft's, with this compile's target and options."""
         checked = verify or check_artifact
+        if recipe is not None:
+            extra["manifest_extra"] = {"recipe": recipe, **extra.get("manifest_extra", {})}
         return build_checked(entry.name, built, directory, verify=checked, target=target, **extra, **given)
 
     if not drafts:
@@ -282,7 +293,8 @@ def compile_artifact(
         for k in drafts:
             name = draft_dir_name(k)
             with stage(f"self-draft {name}: the first {k} of {program.spec.num_layers} decoder layers") as shown:
-                draft = run_pipeline(capture(loaded), draft_pipeline(pipeline, k), verify=verify)
+                with calibration_store(cache_dir() / CALIBRATION_DIR):
+                    draft = run_pipeline(capture(loaded), draft_pipeline(pipeline, k), verify=verify)
                 check_same_kv_layout(program, draft)
                 about = {"draft": {"method": "early_exit", "layers": k, "target_layers": program.spec.num_layers}}
                 built[k] = build(draft, scratch / name, write_extra=write_tokenizer, manifest_extra=about)
@@ -377,3 +389,73 @@ def text_perplexity(
     scorer = executor.decode_logits if decode else executor.prompt_logits
     result = perplexity(scorer, ids, window=window, stride=stride)
     return result, history
+
+
+def recipe_pipeline(settings: dict[str, Any]) -> list[PassSpec]:
+    """The default pipeline with a recipe's quantization (recipes.Choice.settings)."""
+    from .passes import build_pipeline
+
+    return build_pipeline(
+        None,
+        settings["quant"] or "none",
+        lm_head_bits=settings["lm_head_bits"],
+        awq=settings["awq"],
+        gptq=settings["gptq"],
+        scale_dtype=settings["scale_dtype"],
+    )
+
+
+def compile_model(model: str | Path, output: str | Path, recipe: str = "auto", **options: Any) -> Path:
+    """Compile MODEL into an artifact at `output` by a recipe (a name in recipes.RECIPES, or auto: the fastest
+    within the quality gate here): backend=, quant=, gptq=, awq=, scale_dtype=, lm_head_bits= and kv_cache_dtype=
+    given as keywords win over the recipe's; the other keywords are compile_artifact's. The choice and why are in
+    the manifest's `recipe`."""
+    from .recipes import choose, recipe_settings
+
+    choice = choose(recipe, {name: options.pop(name) for name in recipe_settings() if name in options})
+    settings = choice.settings
+    return compile_artifact(
+        model,
+        output,
+        recipe_pipeline(settings),
+        backend=settings["backend"],
+        kv_cache_dtype=settings["kv_cache_dtype"],
+        recipe=choice.to_dict(),
+        **options,
+    )
+
+
+def load_model(
+    model: str | Path,
+    recipe: str = "auto",
+    config: EngineConfig | None = None,
+    *,
+    threads: int = 0,
+    notify: Callable[[str], None] = lambda message: None,
+    **settings: Any,
+) -> Engine:
+    """An Engine for MODEL (a checkpoint, a .gguf file or 'example') compiled by a recipe as compile_model says,
+    once: the artifact is cached (compile_cache) and loaded from there the next time. `notify` gets a line when it
+    compiles or waits for another process to."""
+    from .compile_cache import CompileRequest, load_compiled
+    from .recipes import choose
+
+    choice = choose(recipe, settings)
+    chosen = choice.settings
+    backend = get_backend(chosen["backend"])
+    if backend.compiler is None:
+        raise ArgumentError(f"backend {backend.name!r} compiles no artifact: use load_engine for the torch reference")
+    check_kv_cache_dtype(chosen["kv_cache_dtype"], "float32", backend.name, "cpu")
+    config = config or EngineConfig()
+    block_size = config.block_size if backend.layout("cpu") is KVLayout.PAGED else None
+    pipeline = tuple(recipe_pipeline(chosen))
+    request = CompileRequest(
+        pipeline,
+        chosen["quant"] or "none",
+        backend.name,
+        block_size=block_size,
+        kv_cache_dtype=chosen["kv_cache_dtype"],
+        recipe=choice.to_dict(),
+    )
+    notify(choice.line())
+    return load_compiled(model, request, lambda path: Engine.load(path, config, threads=threads), notify=notify)

@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +30,6 @@ from .runtime.artifact import FORMAT_VERSION, ArtifactError, is_artifact, read_m
 if TYPE_CHECKING:
     from .passes.manager import PassSpec
 
-# what generate and chat compile a model with unless --quant / --backend say otherwise
-RECOMMENDED_QUANT = "q4mix"
-RECOMMENDED_BACKEND = "onnx"
 KEY_FILE = "cache_key.json"
 # __version__ stays the same between commits of an editable install, so the compiler's own source is hashed too
 COMPILER_SOURCES = ("api.py", "spec.py", "step_io.py", "frontend", "ir", "passes", "backends")
@@ -53,16 +51,18 @@ T = TypeVar("T")
 class CompileRequest:
     """What a model is compiled with: the pipeline (as passes.build_pipeline returns it, from `quant`, which
     names the entry), the backend, target and dtype, the KV block size of a paged backend, the self-drafts
-    (--speculative self:K) to compile with it, and the KV cache's dtype (--kv-cache-dtype)."""
+    (--speculative self:K) to compile with it, the KV cache's dtype (--kv-cache-dtype) and the recipe these came
+    from (recipes.Choice.to_dict(), for the manifest)."""
 
     pipeline: tuple[PassSpec, ...]
-    quant: str = RECOMMENDED_QUANT
-    backend: str = RECOMMENDED_BACKEND
+    quant: str
+    backend: str
     target: str = "cpu"
     dtype: str | None = None
     block_size: int | None = None
     draft_layers: tuple[int, ...] = ()
     kv_cache_dtype: str = "auto"
+    recipe: dict[str, Any] | None = None
 
 
 def model_files(source: Path) -> dict[str, list[int]]:
@@ -117,6 +117,7 @@ def cache_key(source: Path, request: CompileRequest) -> dict[str, Any]:
             "block_size": request.block_size,
             "draft_layers": request.draft_layers,
             "kv_cache_dtype": request.kv_cache_dtype,
+            "recipe": request.recipe["recipe"] if request.recipe else None,
         },
         "model_files": model_files(source),
         "toolkit": toolkit(),
@@ -183,7 +184,29 @@ def compile_entry(source: Path, entry: Path, request: CompileRequest, key: dict[
         write_extra=write_key,
         draft_layers=list(request.draft_layers),
         kv_cache_dtype=request.kv_cache_dtype,
+        recipe=request.recipe,
     )
+
+
+def compile_time(manifest: dict[str, Any], seconds: float) -> str:
+    """How a compile's `seconds` were spent, from its manifest's pipeline: the calibrated passes (and which read
+    their results from the calibration store), the other passes, and capture with the backend's build."""
+    from .passes import PASSES
+
+    steps = manifest["pipeline"]
+    calibrated = [s for s in steps if s["name"] in PASSES and PASSES[s["name"]].calibrated]
+    calibration = sum(s["seconds"] for s in calibrated)
+    passes = sum(s["seconds"] for s in steps) - calibration
+    parts = [
+        f"{s['name']} {s['seconds']:.1f} s" + (" cached" * bool(s["stats"].get("calibration_cached")))
+        for s in calibrated
+    ]
+    spent = [f"calibration {calibration:.1f} s ({', '.join(parts)})"] if calibrated else []
+    spent += [
+        f"other passes {passes:.1f} s",
+        f"capture and the {manifest['backend']} build {seconds - calibration - passes:.1f} s",
+    ]
+    return f"compiled in {seconds:.1f} s: {'; '.join(spent)}"
 
 
 def load_compiled(
@@ -217,5 +240,7 @@ def load_compiled(
             weights = request.quant if request.quant != "none" else "unquantized weights"
             what = f"{model} with {weights} for {request.backend}/{request.target}"
             notify(f"compiling {what} {when}, cached at {entry}")
+            started = time.perf_counter()
             compile_entry(source, entry, request, key, verify)
+            notify(compile_time(read_manifest(entry, verify=False), time.perf_counter() - started))
         return open_artifact(entry)

@@ -13,7 +13,7 @@ from llmlower.locks import locked
 # name -> (tiny architecture, changes to its config, `llmlower compile` flags)
 ARTIFACTS: dict[str, tuple[str, dict[str, object], tuple[str, ...]]] = {
     # room for 1,024 positions: long enough that a served request outlives its client's disconnect
-    "long-llama-onnx": ("llama", {"max_position_embeddings": 1024}, ("--backend", "onnx")),
+    "long-llama-onnx": ("llama", {"max_position_embeddings": 1024}, ("--recipe", "exact")),
 }
 
 

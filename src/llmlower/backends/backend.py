@@ -7,6 +7,7 @@ and imports neither torch nor any backend's toolkit."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,8 @@ class Backend:
     and the roofline; `options` and `check`: the compile options it takes and the check (target, options) run on
     them before compiling; `tolerance`: how far its artifacts' logits may be from the torch reference's (compile
     --verify); `kv_cache_dtypes`: target -> the KV cache dtypes other than the model's that its attention kernels
-    read (compile --kv-cache-dtype)."""
+    read (compile --kv-cache-dtype); `toolkit`: the Python modules it compiles and runs with (recipes.auto picks only
+    backends whose toolkit is installed)."""
 
     name: str
     package: str
@@ -60,10 +62,16 @@ class Backend:
     check: str | None = None
     tolerance: Tolerance = Tolerance()
     kv_cache_dtypes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    toolkit: tuple[str, ...] = ()
 
     @property
     def targets(self) -> tuple[str, ...]:
         return tuple(self.layouts)
+
+    @property
+    def installed(self) -> bool:
+        """Whether its toolkit's modules can be imported here (found, not imported: cheap)."""
+        return all(importlib.util.find_spec(module) is not None for module in self.toolkit)
 
     def layout(self, target: str) -> KVLayout:
         """The KV layout of the programs it builds for `target` (an unknown target is refused)."""

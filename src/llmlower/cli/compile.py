@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 
 from rich.console import Console
 
 from ..backends.registry import BACKENDS
-from .engine_args import pass_pipeline
+from ..compile_cache import compile_time
+from .engine_args import apply_recipe, pass_pipeline
 from .options import MODEL_HELP, VERIFY_HELP, add_pipeline_options
 
 
@@ -19,11 +22,15 @@ def add_compile_parser(sub: argparse._SubParsersAction) -> None:
     compilers = [name for name, backend in BACKENDS.items() if backend.compiler]
     comp.add_argument(
         "--backend",
-        default="onnx",
         choices=compilers,
-        help="onnx: ONNX Runtime; tvm: Apache TVM; mlir: MLIR through torch-mlir (for other MLIR compilers)",
+        help="onnx: ONNX Runtime; tvm: Apache TVM; mlir: MLIR through torch-mlir (for other MLIR compilers); "
+        "default: the recipe's (--target cuda: onnx)",
     )
-    comp.add_argument("--target", default="cpu", help="cpu or cuda")
+    comp.add_argument(
+        "--target",
+        default="cpu",
+        help="cpu or cuda (the recipes are for the CPU: cuda compiles the flags alone unless --recipe)",
+    )
     comp.add_argument(
         "--accuracy-level",
         type=int,
@@ -79,6 +86,11 @@ def _compile(args: argparse.Namespace) -> int:
     from ..runtime.artifact import read_manifest
     from ..runtime.executors.mlir import runs_here
 
+    if args.target != "cpu" and args.recipe is None:
+        args.default_recipe = None  # recipes are measured on CPUs
+    choice = apply_recipe(args)
+    args.backend = args.backend or "onnx"
+    started = time.perf_counter()
     out = compile_artifact(
         args.model,
         args.output,
@@ -96,8 +108,10 @@ def _compile(args: argparse.Namespace) -> int:
         verify=args.verify,
         draft_layers=args.draft_layers,
         kv_cache_dtype=args.kv_cache_dtype,
+        recipe=choice.to_dict() if choice is not None else None,
     )
     manifest = read_manifest(out, verify=False)
+    print(compile_time(manifest, time.perf_counter() - started), file=sys.stderr, flush=True)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     console = Console()
     console.print(f"[bold]{out}[/bold]: {size / 2**20:.1f} MiB, {manifest['backend']} / {manifest['target']}")

@@ -9,27 +9,44 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..compile_cache import RECOMMENDED_QUANT, CompileRequest, load_compiled
+from ..compile_cache import CompileRequest, load_compiled
 from ..errors import LlmlowerError
+from ..recipes import Choice, choose, recipe_settings
 from ..runtime import EngineConfig
 from .options import DEFAULT_SPECULATIVE_TOKENS, DEFAULT_STEP_TOKENS, SAMPLING_FLAGS
 
 
-def pass_pipeline(args: argparse.Namespace, all_logits: bool = False, default_quant: str = "none") -> list:
-    """The pass list the pipeline flags ask for (`default_quant` unless --quant)."""
+def apply_recipe(args: argparse.Namespace) -> Choice | None:
+    """Fill the settings a recipe names (backend, quantization, KV cache dtype) into `args` where they were not
+    given, from --recipe or the command's default (add_pipeline_options); None for an artifact (compiled already)
+    or without a recipe (the flags alone). Prints the choice and why on stderr."""
+    from ..runtime.artifact import is_artifact
+
+    asked = args.recipe or args.default_recipe
+    if asked is None or is_artifact(args.model):
+        args.kv_cache_dtype = args.kv_cache_dtype or "auto"
+        return None
+    choice = choose(asked, {name: getattr(args, name, None) for name in recipe_settings()})
+    for name, value in choice.settings.items():
+        setattr(args, name, value)
+    print(choice.line(), file=sys.stderr, flush=True)
+    return choice
+
+
+def pass_pipeline(args: argparse.Namespace, all_logits: bool = False) -> list:
+    """The pass list the pipeline flags ask for (after apply_recipe: the recipe's where not given)."""
     from ..passes import build_pipeline
 
-    quant = args.quant or default_quant
     return build_pipeline(
         args.passes,
-        quant,
+        args.quant or "none",
         args.keep,
         args.quant_embedding,
         all_logits=all_logits,
         lm_head_bits=args.lm_head_bits,
         awq=args.awq,
         gptq=args.gptq,
-        scale_dtype=None if args.scale_dtype == "auto" else args.scale_dtype,
+        scale_dtype=None if args.scale_dtype in (None, "auto") else args.scale_dtype,
     )
 
 
@@ -40,6 +57,7 @@ def check_artifact_options(args: argparse.Namespace) -> None:
     if not is_artifact(args.model):
         return
     options = {
+        "--recipe": args.recipe,
         "--backend": getattr(args, "backend", None),
         "--passes": args.passes,
         "--quant": args.quant not in (None, "none"),
@@ -48,9 +66,9 @@ def check_artifact_options(args: argparse.Namespace) -> None:
         "--lm-head-bits": args.lm_head_bits,
         "--awq": args.awq,
         "--gptq": args.gptq,
-        "--scale-dtype": args.scale_dtype != "auto",
+        "--scale-dtype": args.scale_dtype,
         "--dtype": args.dtype,
-        "--kv-cache-dtype": args.kv_cache_dtype != "auto",
+        "--kv-cache-dtype": args.kv_cache_dtype,
         "--verify": getattr(args, "verify", False),
     }
     given = [flag for flag, value in options.items() if value]
@@ -87,17 +105,20 @@ def speculative_config(args: argparse.Namespace) -> Any:
     return SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS)
 
 
-def engine_from_args(args: argparse.Namespace, sequences: int, backend: str = "torch") -> Any:
+def engine_from_args(args: argparse.Namespace, sequences: int) -> Any:
     """An Engine for MODEL running `sequences` at once unless --max-num-seqs says otherwise: an artifact runs as
-    compiled (without torch); a model runs on `backend`: torch, the reference, through the pipeline as it is
-    captured; onnx or tvm, compiled once into the artifact cache (compile_cache) and loaded from there."""
+    compiled (without torch); a model is compiled by its recipe (apply_recipe) and runs on its backend: torch, the
+    reference, through the pipeline as it is captured; onnx, tvm or mlir, compiled once into the artifact cache
+    (compile_cache) and loaded from there."""
     from ..runtime import Engine
     from ..runtime.artifact import is_artifact
 
     check_artifact_options(args)
+    choice = apply_recipe(args)
     config = engine_config(args, sequences)
     if is_artifact(args.model):
         return Engine.load(args.model, config, threads=args.threads)
+    backend = args.backend
     if backend == "torch":
         from ..api import load_engine
 
@@ -113,25 +134,30 @@ def engine_from_args(args: argparse.Namespace, sequences: int, backend: str = "t
     def open_artifact(path: Path) -> Engine:
         return Engine.load(path, config, threads=args.threads)
 
-    return load_compiled(args.model, compile_request(args, backend), open_artifact, verify=args.verify, notify=say)
+    request = compile_request(args, backend, choice)
+    return load_compiled(args.model, request, open_artifact, verify=args.verify, notify=say)
 
 
-def compile_request(args: argparse.Namespace, backend: str) -> CompileRequest:
-    """What generate, chat and serve compile MODEL with: the pipeline flags (--quant RECOMMENDED_QUANT unless
-    given), --dtype, --block-size where the backend fixes it when compiling (a paged KV layout), the self-draft of
-    --speculative self:K and --kv-cache-dtype (checked against the backend before anything compiles), for the CPU."""
+def compile_request(args: argparse.Namespace, backend: str, choice: Choice | None = None) -> CompileRequest:
+    """What generate, chat and serve compile MODEL with: the pipeline flags (after apply_recipe: `choice`'s settings
+    where not given), --dtype, --block-size where the backend fixes it when compiling (a paged KV layout), the
+    self-draft of --speculative self:K and --kv-cache-dtype (checked against the backend before anything compiles),
+    for the CPU."""
     from ..api import check_kv_cache_dtype
     from ..backends.registry import get_backend
     from ..step_io import KVLayout
 
     check_kv_cache_dtype(args.kv_cache_dtype, args.dtype or "float32", backend, "cpu")
-    quant = args.quant or RECOMMENDED_QUANT
+    quant = args.quant or "none"
     paged = get_backend(backend).layout("cpu") is KVLayout.PAGED
-    pipeline = tuple(pass_pipeline(args, default_quant=quant))
+    pipeline = tuple(pass_pipeline(args))
     block_size = args.block_size if paged else None
     speculative = speculative_config(args)
     drafts = (speculative.layers,) if speculative is not None and speculative.method == "self" else ()
-    return CompileRequest(pipeline, quant, backend, "cpu", args.dtype, block_size, drafts, args.kv_cache_dtype)
+    recipe = choice.to_dict() if choice is not None else None
+    return CompileRequest(
+        pipeline, quant, backend, "cpu", args.dtype, block_size, drafts, args.kv_cache_dtype, recipe=recipe
+    )
 
 
 def sampling_params(args: argparse.Namespace) -> Any:

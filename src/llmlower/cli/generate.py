@@ -8,7 +8,6 @@ from typing import Any
 
 from rich.console import Console
 
-from ..compile_cache import RECOMMENDED_BACKEND
 from ..errors import LlmlowerError
 from .engine_args import engine_from_args, sampling_params
 from .options import MODEL_HELP, add_engine_options
@@ -40,7 +39,7 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
 def _generate(args: argparse.Namespace) -> int:
     """Print the completions of --prompt (streamed with --stream, as JSON with --json)."""
     params = sampling_params(args)  # bad values fail before the model loads
-    engine = engine_from_args(args, sequences=params.n, backend=args.backend or RECOMMENDED_BACKEND)
+    engine = engine_from_args(args, sequences=params.n)
     if args.stream:
         for delta in engine.stream([args.prompt], params, chat=not args.raw):
             print(delta.text, end="\n\n" if delta.finish_reason and params.n > 1 else "", flush=True)
@@ -80,7 +79,7 @@ def _chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     if params.n != 1:
         raise LlmlowerError("chat: n must be 1")
-    engine = engine_from_args(args, sequences=1, backend=args.backend or RECOMMENDED_BACKEND)
+    engine = engine_from_args(args, sequences=1)
     console = Console(stderr=True)
     console.print(f"[dim]chatting with {args.model} ({'greedy' if params.greedy else 'sampling'}); /reset, /exit[/dim]")
     messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -14,7 +14,10 @@ from .options import MODEL_HELP
 
 def add_inspect_parser(sub: argparse._SubParsersAction) -> None:
     """The `inspect` command and its options."""
-    ins = sub.add_parser("inspect", help="show a model's spec, parameter count and KV-cache size")
+    ins = sub.add_parser(
+        "inspect",
+        help="show a model's spec, parameter count and KV-cache size; an artifact's recipe, backend and pipeline too",
+    )
     ins.add_argument("model", help=MODEL_HELP)
     ins.add_argument("--context", type=int, default=4096, help="context length for the KV-cache total")
     ins.add_argument("--batch", type=int, default=1, help="batch size for the KV-cache total")
@@ -33,7 +36,12 @@ def add_passes_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    """Print a model's spec, parameter count and KV-cache size (as JSON with --json)."""
+    """Print a model's spec, parameter count and KV-cache size (as JSON with --json); for an artifact, what it was
+    compiled with (read from its manifest: no torch)."""
+    from ..runtime.artifact import is_artifact
+
+    if is_artifact(args.model):
+        return _inspect_artifact(args)
     from ..frontend import load, resolve_model
 
     loaded = load(resolve_model(args.model), dtype=args.dtype)
@@ -80,4 +88,40 @@ def _passes(args: argparse.Namespace) -> int:
         print(f"{name:<18} {p.summary}{default}")
         if args.explain:
             print(f"{'':<18} {p.explain}\n")
+    return 0
+
+
+def _inspect_artifact(args: argparse.Namespace) -> int:
+    """Print what an artifact was compiled with: recipe (and why), backend, target, dtype, pipeline, spec."""
+    from ..runtime.artifact import read_manifest
+    from ..spec import ModelSpec
+
+    manifest = read_manifest(args.model, verify=False)
+    spec = ModelSpec.from_dict(manifest["spec"])
+    report = {
+        "artifact": str(args.model),
+        "recipe": manifest.get("recipe"),
+        "backend": manifest["backend"],
+        "target": manifest["target"],
+        "dtype": manifest["dtype"],
+        "pipeline": [step["name"] for step in manifest["pipeline"]],
+        "compile_seconds": {step["name"]: round(step["seconds"], 1) for step in manifest["pipeline"]},
+        "spec": {k: v for k, v in spec.to_dict().items() if k != "chat_template"},
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    console = Console()
+    recipe = report["recipe"]
+    console.print(f"[bold]{args.model}[/bold]: {report['backend']} / {report['target']}, {report['dtype']}")
+    if recipe is None:
+        console.print("recipe: none (compiled with the flags alone)", highlight=False)
+    else:
+        asked = f" (asked: {recipe['asked']})" if recipe["asked"] != recipe["recipe"] else ""
+        console.print(f"recipe: {recipe['recipe']}{asked}: {recipe['reason']}", highlight=False)
+        settings = ", ".join(f"{k}={v}" for k, v in recipe["settings"].items() if v not in (None, False))
+        console.print(f"        {settings}", highlight=False)
+    console.print("pipeline: " + ", ".join(report["pipeline"]), highlight=False)
+    for key, value in report["spec"].items():
+        console.print(f"  {key:<20} {value}", highlight=False)
     return 0

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.registry import BACKENDS
-from ..compile_cache import RECOMMENDED_BACKEND, RECOMMENDED_QUANT
+from ..recipes import AUTO, QUALITY_GATE, RECIPES
 from ..runtime import EngineConfig
 from ..step_io import KV_CACHE_DTYPES
 
@@ -31,15 +31,26 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * 1024 ** "BKMG".index(unit.upper() or "B"))
 
 
-def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
-    """--passes, --quant and the other pass pipeline options, --dtype and --kv-cache-dtype."""
+def add_pipeline_options(parser: argparse.ArgumentParser, recipe_default: str | None = AUTO) -> None:
+    """--recipe (`recipe_default` unless given: None, the flags alone), --passes, --quant and the other pass
+    pipeline options, --dtype and --kv-cache-dtype."""
+    default = f"default {recipe_default}" if recipe_default else "default: none, the flags alone"
+    parser.set_defaults(default_recipe=recipe_default)
+    parser.add_argument(
+        "--recipe",
+        metavar="NAME",
+        help=f"named compile settings ({default}): {AUTO}, the fastest recipe within +{QUALITY_GATE:g}%% of fp32's "
+        f"perplexity for this CPU and the backends installed; "
+        + "; ".join(f"{r.name}: {r.flags}" for r in RECIPES.values())
+        + ". --backend, --quant (with its options) and --kv-cache-dtype given explicitly win",
+    )
     parser.add_argument("--passes", help="comma-separated passes (default: the default pipeline; see `passes`)")
     parser.add_argument(
         "--quant",
         help="weight quantization: none, q8, q8c (int8 per channel), q4g32, q4g64, q4g128 (add -sym: symmetric, "
-        "-zp4: 4-bit zero points), "
-        "q4mix (int4 where it keeps quality, int8 elsewhere); default none "
-        f"(generate and chat compiling a model: {RECOMMENDED_QUANT})",
+        "-zp4: 4-bit zero points), q4mix (int4 where it keeps quality, int8 elsewhere), q4mix-a8 (q4mix with int8 "
+        "per channel and int8 activations), q4mlp-a8 (q4mix-a8 with int4 for the MLP's gate/up alone); default: the "
+        "recipe's",
     )
     parser.add_argument(
         "--keep", action="append", default=[], help="keep in full precision: lm_head or a weight-name substring"
@@ -49,7 +60,6 @@ def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scale-dtype",
         choices=["auto", "float16"],
-        default="auto",
         help="the quantized weights' scales: auto, the model's dtype; float16, 16 bits as llama.cpp keeps them "
         "(a 4-bit weight in groups of 32: 4.5 bits instead of 5 beside float32; the tvm backend reads them so, "
         "onnx widens them to the activations' type in the exported model)",
@@ -69,9 +79,9 @@ def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        default="auto",
         choices=KV_CACHE_DTYPES,
-        help="auto: the model's dtype; float16: half of a float32 model's KV bytes (tvm and torch on the cpu); "
+        help="default: the recipe's; auto: the model's dtype; float16: half of a float32 model's KV bytes (tvm and "
+        "torch on the cpu); "
         "int8: a quarter, scales per kv head and channel calibrated when compiling (onnx, tvm, mlir and torch on "
         "the cpu)",
     )
@@ -100,14 +110,7 @@ SAMPLING_FLAGS: dict[str, dict[str, Any]] = {  # SamplingParams field -> argpars
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """--backend, the sampling flags (named after SamplingParams' fields), then the serving and pipeline options."""
-    parser.add_argument(
-        "--backend",
-        choices=list(BACKENDS),
-        help=f"what runs MODEL: {RECOMMENDED_BACKEND} (default), tvm or mlir (linalg, JIT-compiled: slow), compiled "
-        "once and cached under $LLMLOWER_CACHE/artifacts (default ~/.cache/llmlower); torch, the reference (not "
-        "compiled)",
-    )
+    """The sampling flags (named after SamplingParams' fields), then the serving and pipeline options."""
     group = parser.add_argument_group("sampling (see llmlower.runtime.sampling_params.SamplingParams)")
     for name, options in SAMPLING_FLAGS.items():
         group.add_argument(f"--{name.replace('_', '-')}", dest=name, **options)
@@ -123,7 +126,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_serving_options(parser: argparse.ArgumentParser, default_seqs: str) -> None:
-    """Context, the engine's serving limits, threads and the pipeline options."""
+    """--backend, context, the engine's serving limits, threads and the pipeline options."""
+    parser.add_argument(
+        "--backend",
+        choices=list(BACKENDS),
+        help="what runs MODEL (default: the recipe's): onnx, tvm or mlir (linalg, JIT-compiled: slow), compiled "
+        "once and cached under $LLMLOWER_CACHE/artifacts (default ~/.cache/llmlower); torch, the reference (not "
+        "compiled)",
+    )
     parser.add_argument("--max-context", type=int, default=2048, help="longest sequence in tokens (default 2048)")
     serving = parser.add_argument_group("serving (continuous batching, paged KV cache)")
     serving.add_argument("--max-num-seqs", type=int, help=f"sequences per step (default: {default_seqs})")

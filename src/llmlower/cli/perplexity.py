@@ -6,7 +6,7 @@ import argparse
 import json
 
 from ..errors import LlmlowerError
-from .engine_args import check_artifact_options, pass_pipeline
+from .engine_args import apply_recipe, check_artifact_options, pass_pipeline
 from .options import MODEL_HELP, add_pipeline_options
 
 
@@ -24,7 +24,7 @@ def add_perplexity_parser(sub: argparse._SubParsersAction) -> None:
         help="score one token per step, as generation runs (any artifact; kernels that take another path at one "
         "row); slower",
     )
-    add_pipeline_options(ppl)
+    add_pipeline_options(ppl, recipe_default=None)
     ppl.set_defaults(run=_perplexity)
 
 
@@ -42,6 +42,7 @@ def _perplexity(args: argparse.Namespace) -> int:
     except UnicodeDecodeError as error:
         raise LlmlowerError(f"{path}: --text is not UTF-8 text ({error})") from None
     check_artifact_options(args)
+    apply_recipe(args)  # a recipe's quantization on the torch reference (its backend and KV dtype: an artifact's)
     pipeline = pass_pipeline(args, all_logits=True)
     dtype, kv_cache_dtype = args.dtype or "float32", args.kv_cache_dtype
     result, history = text_perplexity(

@@ -66,8 +66,8 @@ def load(path: str | Path, dtype: str = "float32") -> LoadedModel:
         raise CheckpointError(f"{path}: no such file or directory")
     if (path / "manifest.json").is_file():
         raise CheckpointError(
-            f"{path}: a compiled llmlower artifact, not a checkpoint (generate, chat and perplexity run artifacts; "
-            "compile and inspect take the checkpoint it was compiled from)"
+            f"{path}: a compiled llmlower artifact, not a checkpoint (generate, chat, serve, perplexity and "
+            "inspect take artifacts; compile takes the checkpoint it was compiled from)"
         )
     with stage(f"load {path}"):
         loaded = _load_directory(path, dtype) if path.is_dir() else _load_gguf(path, dtype)

@@ -18,4 +18,5 @@ BACKEND = Backend(
     options=("dialect", "static_dims"),
     check="artifact:check_options",
     kv_cache_dtypes={"cpu": ("int8",)},
+    toolkit=("torch_mlir",),
 )

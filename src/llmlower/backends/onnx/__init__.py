@@ -22,4 +22,5 @@ BACKEND = Backend(
     tolerance=Tolerance(rounded_activations=0.15),
     # GroupQueryAttention's PER_CHANNEL quantization (its float caches are q's dtype); CUDA's PagedAttention has none
     kv_cache_dtypes={"cpu": ("int8",)},
+    toolkit=("onnx", "onnxruntime"),
 )

@@ -11,4 +11,5 @@ BACKEND = Backend(
     program_executor="program_executor:program_executor",
     summary="the reference: the Program's graph run eagerly by torch (no artifact)",
     kv_cache_dtypes={"cpu": ("float16", "bfloat16", "int8")},
+    toolkit=("torch",),
 )

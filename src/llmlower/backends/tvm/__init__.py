@@ -21,4 +21,5 @@ BACKEND = Backend(
     # as ONNX Runtime's MatMulNBits does at its level 4: the same bound
     tolerance=Tolerance(rounded_activations=0.15),
     kv_cache_dtypes={"cpu": ("float16", "int8")},  # the CUDA kernels read pools of the model's dtype
+    toolkit=("tvm",),
 )
