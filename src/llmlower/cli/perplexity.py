@@ -42,7 +42,7 @@ def _perplexity(args: argparse.Namespace) -> int:
     except UnicodeDecodeError as error:
         raise LlmlowerError(f"{path}: --text is not UTF-8 text ({error})") from None
     check_artifact_options(args)
-    apply_recipe(args)  # a recipe's quantization on the torch reference (its backend and KV dtype: an artifact's)
+    apply_recipe(args)  # --recipe: its quantization and KV cache dtype, on the torch reference (not its kernels)
     pipeline = pass_pipeline(args, all_logits=True)
     dtype, kv_cache_dtype = args.dtype or "float32", args.kv_cache_dtype
     result, history = text_perplexity(

@@ -41,13 +41,15 @@ QUANT_NAMES = (
 # per row by extra ops); the smoothquant pass, which build_pipeline adds for any per-channel int8 linear, moves
 # their inputs' outlier channels into the weights (SmolLM2, perplexity.txt: 26.61 against q4mix's 26.36, 27.05
 # unsmoothed; fp32 25.48).
-# q4mlp-a8: q4mix-a8 with the attention output in int8 too, int4 for the MLP's gate/up alone (~56% of a Llama
-# layer's weights): SmolLM2's TVM artifact, scored one token a step, with GPTQ (benchmarks/recipe_quality.py):
-# heldout.txt 29.60 against q4mix-a8's 29.83 (fp32 28.52), for 4% more bytes.
-MIXES = {  # name -> (base, int4 scheme, its weights, the LM head's group)
-    "q4mix": ("q8", "q4g32-zp4", ("o_proj", "gate_proj", "up_proj"), 0),
-    "q4mix-a8": ("q8c", "q4g32-zp4", ("o_proj", "gate_proj", "up_proj"), 0),
-    "q4mlp-a8": ("q8c", "q4g32-zp4", ("gate_proj", "up_proj"), 0),
+# q4mlp-a8: q4mix-a8 with the attention output in int8 groups of 32 (its activations rounded per group: its input,
+# the attention's output, has outlier channels that no smoothing can take), int4 for the MLP's gate/up alone (~56%
+# of a Llama layer's weights); SmolLM2's TVM artifact with GPTQ, scored one token a step on heldout.txt
+# (benchmarks/recipe_quality.py): 29.43 against q4mix-a8's 29.83 (fp32 28.52), for 4% more bytes.
+INT4_MLP = {"gate_proj": "q4g32-zp4", "up_proj": "q4g32-zp4"}
+MIXES = {  # name -> (base, {weight name: its scheme}, the LM head's group)
+    "q4mix": ("q8", {"o_proj": "q4g32-zp4", **INT4_MLP}, 0),
+    "q4mix-a8": ("q8c", {"o_proj": "q4g32-zp4", **INT4_MLP}, 0),
+    "q4mlp-a8": ("q8c", {"o_proj": "q8", **INT4_MLP}, 0),
 }
 _INT8 = re.compile(r"q8(?:g(32|64|128)|(c))?")
 _INT4 = re.compile(r"q4g(32|64|128)(-sym|-zp4)?")
@@ -58,8 +60,8 @@ def parse_quant(name: str) -> dict[str, Any] | None:
     if name == "none":
         return None
     if name in MIXES:
-        base, special, weights, head_group = MIXES[name]
-        overrides = [[weight, parse_quant(special)] for weight in weights]
+        base, special, head_group = MIXES[name]
+        overrides = [[weight, parse_quant(scheme)] for weight, scheme in special.items()]
         return {**parse_quant(base), "overrides": overrides, "lm_head_group": head_group}
     match = _INT8.fullmatch(name)
     if match is not None:

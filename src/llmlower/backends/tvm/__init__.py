@@ -17,9 +17,12 @@ BACKEND = Backend(
     summary="Apache TVM: Relax + llmlower's paged-attention kernels, llvm (CPU) or CUDA",
     options=("accuracy_level", "cuda_arch", "cpu", "vm_exec"),
     check="compile:check_options",
-    # accuracy_level 4 (the CPU default) rounds activations to int8 per group for the grouped quantized matmuls,
-    # as ONNX Runtime's MatMulNBits does at its level 4: the same bound
-    tolerance=Tolerance(rounded_activations=0.15),
+    # accuracy_level 4 (the CPU default) rounds activations to int8: per group for the grouped quantized matmuls, as
+    # ONNX Runtime's MatMulNBits does at its level 4, and per row for int8 weights per channel (the -a8 mixes), which
+    # the reference does not model: SmolLM2's prompts off by up to 0.17 of the logits' scale (q4mix-a8 with GPTQ)
+    # and 0.28 (q4mlp-a8, the fast recipe), whose perplexity one token a step is within 4% of fp32's; a broken
+    # kernel's logits are off by their whole scale
+    tolerance=Tolerance(rounded_activations=0.35),
     kv_cache_dtypes={"cpu": ("float16", "int8")},  # the CUDA kernels read pools of the model's dtype
     toolkit=("tvm",),
 )
