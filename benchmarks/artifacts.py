@@ -29,9 +29,11 @@ def ensure_artifact(
     rebuild: bool = False,
     draft_layers: tuple[int, ...] = (),
     kv_cache_dtype: str = "auto",
+    compile_options: dict[str, Any] | None = None,
 ) -> Path:
     """`directory` holding MODEL compiled by `backend` (for the CPU) with build_pipeline(**options), its KV cache
-    in `kv_cache_dtype`, and the self-drafts of `draft_layers` layers."""
+    in `kv_cache_dtype`, the self-drafts of `draft_layers` layers and the backend's `compile_options` (tvm's cpu:
+    an LLVM CPU name, for a build without AVX-512 or AMX)."""
     pipeline = build_pipeline(**options)
     layout = get_backend(backend).layout("cpu")
     manifest_path = directory / "manifest.json"
@@ -45,13 +47,15 @@ def ensure_artifact(
     built = [_uncalibrated(p["name"], p["options"]) for p in manifest.get("pipeline", [])]
     same = manifest.get("backend") == backend and manifest.get("kv_layout", {}).get("kind") == layout.value
     same = same and manifest.get("format_version") == FORMAT_VERSION
-    stamp, digest = directory.with_name(f"{directory.name}.compiler-source"), compiler_source_digest()
+    stamp = directory.with_name(f"{directory.name}.compiler-source")
+    digest = compiler_source_digest() + (json.dumps(compile_options, sort_keys=True) if compile_options else "")
     same = same and stamp.is_file() and stamp.read_text() == digest
     drafts = sorted(d["layers"] for d in manifest.get("drafts", {}).values())
     if rebuild or not same or built != wanted or drafts != sorted(draft_layers):
         print(f"[benchmarks] compiling {backend} {options or 'fp32'} into {directory}", file=sys.stderr)
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
             options = {"backend": backend, "draft_layers": list(draft_layers), "kv_cache_dtype": kv_cache_dtype}
+            options |= compile_options or {}
             child.submit(compile_artifact, model, directory, pipeline, **options).result()
         stamp.write_text(digest)
     return directory

@@ -59,6 +59,7 @@ from llmlower.frontend import capture, example_checkpoint, load
 from llmlower.frontend.example import cache_dir
 from llmlower.ir.program import Program
 from llmlower.passes import build_pipeline, run_pipeline
+from llmlower.recipes import RECIPES
 from llmlower.roofline import Ceilings, decode_read_bytes, machine_ceilings
 from llmlower.runtime import Engine, SamplingParams
 from llmlower.runtime.cpu_features import host_cpu_flags
@@ -301,6 +302,13 @@ def main() -> None:
         "--kv-cache-dtypes", default="auto", help="the KV cache's dtypes, comma-separated: auto, float16, int8"
     )
     parser.add_argument("--backends", default="onnx", help="llmlower's backends, comma-separated (onnx, tvm)")
+    parser.add_argument(
+        "--recipes", default="", help="also llmlower's named recipes (llmlower.recipes), comma-separated: fast, ..."
+    )
+    parser.add_argument(
+        "--tvm-cpu",
+        help="build the tvm rows for this LLVM CPU (x86-64-v3: AVX2 only; rocketlake: AVX-512 VNNI without AMX)",
+    )
     parser.add_argument("--llamacpp", default="Q4_0", help="llama.cpp quant types, comma-separated, or 'none'")
     parser.add_argument("--genai", action="store_true", help="also run ONNX Runtime GenAI's int4 (setup.sh ortgenai)")
     parser.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build (setup.sh vllm)")
@@ -355,8 +363,24 @@ def main() -> None:
         for scales_options, scales_row, scales_directory in (SCALES[s] for s in args.scale_dtypes.split(","))
         for kv in args.kv_cache_dtypes.split(",")
     }
+    for name in filter(None, args.recipes.split(",")):
+        recipe = RECIPES[name]
+        settings = {k: v for k, v in recipe.settings.items() if k not in ("backend", "kv_cache_dtype") and v}
+        directory = workdir / f"recipe-{name}"
+        builds[f"llmlower recipe {name}"] = (recipe.backend, settings, recipe.kv_cache_dtype, directory)
+    if args.tvm_cpu:
+        builds = {
+            f"{row} --cpu {args.tvm_cpu}" if backend == "tvm" else row: (
+                backend,
+                options,
+                kv,
+                directory.with_name(f"{directory.name}-{args.tvm_cpu}") if backend == "tvm" else directory,
+            )
+            for row, (backend, options, kv, directory) in builds.items()
+        }
     for backend, options, kv, directory in builds.values():  # first, alone in memory: compiling holds float32 weights
-        ensure_artifact(str(checkpoint), backend, options, directory, kv_cache_dtype=kv)
+        built_for = {"cpu": args.tvm_cpu} if backend == "tvm" and args.tvm_cpu else None
+        ensure_artifact(str(checkpoint), backend, options, directory, kv_cache_dtype=kv, compile_options=built_for)
     loaded = load(checkpoint)
     captured = capture(loaded)
     dense = not getattr(config, "num_experts", None)

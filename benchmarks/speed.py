@@ -176,7 +176,10 @@ def artifact(
     compiled into `directory` unless it is there."""
     options = dict(options)
     kv_cache_dtype = options.pop("kv_cache_dtype", "auto")
-    ensure_artifact(model, backend, options, directory, rebuild, kv_cache_dtype=kv_cache_dtype)
+    built_for = {"cpu": options.pop("cpu")} if "cpu" in options else None
+    ensure_artifact(
+        model, backend, options, directory, rebuild, kv_cache_dtype=kv_cache_dtype, compile_options=built_for
+    )
     return llmlower_executor(Engine.load(directory, max_num_seqs=1, max_context=context, threads=threads).executor)
 
 
@@ -279,6 +282,12 @@ def main() -> None:
     parser.add_argument("--artifacts", type=Path, help="where the artifacts are compiled and reused")
     parser.add_argument("--rebuild", action="store_true", help="compile the artifacts even if present")
     parser.add_argument("--only", help="comma-separated row names to run (default: all)")
+    parser.add_argument(
+        "--tvm-cpus",
+        default="",
+        help="also build each tvm row for these LLVM CPUs, comma-separated (x86-64-v3: AVX2 only; rocketlake or "
+        "icelake-server: AVX-512 VNNI without AMX); their rows are named 'ROW --cpu NAME'",
+    )
     parser.add_argument("--json", help="also write the table to this file")
     parser.add_argument(
         "--remeasure", action="store_true", help="measure the memory bandwidth again, not from the cache"
@@ -302,7 +311,14 @@ def main() -> None:
     }
     # row -> bytes a decoded token reads; transformers eager reads the same fp32 weights and KV cache as ours
     reads: dict[str, Callable[[], int]] = dict.fromkeys(engines, lambda: decode_read_bytes(program, read_context))
-    for row, (name, backend, options) in ARTIFACTS.items():
+    builds = dict(ARTIFACTS)
+    for cpu in filter(None, args.tvm_cpus.split(",")):
+        builds |= {
+            f"{row} --cpu {cpu}": (f"{name}-{cpu}", backend, {**options, "cpu": cpu})
+            for row, (name, backend, options) in ARTIFACTS.items()
+            if backend == "tvm"
+        }
+    for row, (name, backend, options) in builds.items():
         engines[row] = lambda b=backend, o=options, d=artifacts / name: artifact(
             args.model, b, o, d, args.threads, context, args.rebuild
         )
