@@ -34,6 +34,7 @@ from shaped_speed import machine
 
 from llmlower.frontend import resolve_model
 from llmlower.frontend.example import cache_dir
+from llmlower.recipes import RECIPES
 from llmlower.roofline import machine_ceilings
 
 PEERS = Path(__file__).parent / "peers"
@@ -107,6 +108,8 @@ def main() -> None:
     )
     parser.add_argument("--quant", default="q4mix", help="llmlower's build_pipeline quant for its artifact")
     parser.add_argument("--kv-cache-dtype", default="auto", help="its KV cache: auto, float16 (tvm) or int8")
+    parser.add_argument("--recipe", choices=list(RECIPES), help="a named recipe's artifact instead of --backend ...")
+    parser.add_argument("--tvm-cpu", help="the LLVM CPU a tvm artifact is built for (rocketlake: AVX-512 without AMX)")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -118,13 +121,28 @@ def main() -> None:
         raise SystemExit(f"{VLLM_PYTHON} is missing: run `bash benchmarks/peers/setup.sh vllm` first")
     checkpoint = resolve_model(args.model)  # a checkpoint directory: vLLM reads it, and its tokenizer files
     args.tokenizer = checkpoint
+    options = {"quant": args.quant}
     cache = "" if args.kv_cache_dtype == "auto" else f"-kv-{args.kv_cache_dtype}"
-    directory = args.artifacts / f"{args.backend}-{args.quant}{cache}"
+    label = f"{args.backend}-{args.quant}{cache}"
+    ours = f"{args.backend} {args.quant}{'' if args.kv_cache_dtype == 'auto' else f', {args.kv_cache_dtype} KV'}"
+    if args.recipe:
+        recipe = RECIPES[args.recipe]
+        args.backend, args.kv_cache_dtype = recipe.backend, recipe.kv_cache_dtype
+        options = {k: v for k, v in recipe.settings.items() if k not in ("backend", "kv_cache_dtype") and v}
+        label = ours = f"recipe {args.recipe}"
+    built_for = {"cpu": args.tvm_cpu} if args.tvm_cpu and args.backend == "tvm" else None
+    if built_for:
+        label, ours = f"{label}-{args.tvm_cpu}", f"{ours} --cpu {args.tvm_cpu}"
+    directory = args.artifacts / label.replace(" ", "-")
     artifact = ensure_artifact(
-        str(checkpoint), args.backend, {"quant": args.quant}, directory, kv_cache_dtype=args.kv_cache_dtype
+        str(checkpoint),
+        args.backend,
+        options,
+        directory,
+        kv_cache_dtype=args.kv_cache_dtype,
+        compile_options=built_for,
     )
     ceilings = machine_ceilings("cpu")
-    ours = f"{args.backend} {args.quant}{'' if args.kv_cache_dtype == 'auto' else f', {args.kv_cache_dtype} KV'}"
     ours_name, theirs_name = f"llmlower serve ({ours})", f"vLLM server ({native_dtype()})"
     servers = [(ours_name, llmlower_command, artifact), (theirs_name, vllm_command, checkpoint)]
     rounds = []

@@ -144,7 +144,9 @@ def qwen3_5_hybrid(vocab: int) -> transformers.PretrainedConfig:
 def smollm2(vocab: int) -> transformers.PretrainedConfig:
     """SmolLM2-135M's own configuration (the example model's), for its figures beside peers that need a checkpoint
     they can read (vLLM)."""
-    return transformers.AutoConfig.from_pretrained(example_checkpoint(), vocab_size=vocab)
+    config = transformers.AutoConfig.from_pretrained(example_checkpoint(), vocab_size=vocab)
+    config.max_position_embeddings = 16384  # room to decode after an 8,192-token prompt (RoPE's theta unchanged)
+    return config
 
 
 SHAPES: dict[str, Callable[[int], transformers.PretrainedConfig]] = {
@@ -306,8 +308,10 @@ def main() -> None:
         "--recipes", default="", help="also llmlower's named recipes (llmlower.recipes), comma-separated: fast, ..."
     )
     parser.add_argument(
-        "--tvm-cpu",
-        help="build the tvm rows for this LLVM CPU (x86-64-v3: AVX2 only; rocketlake: AVX-512 VNNI without AMX)",
+        "--tvm-cpus",
+        default="",
+        help="also build each tvm row for these LLVM CPUs, comma-separated (x86-64-v3: AVX2 only; rocketlake: AVX-512 "
+        "VNNI without AMX); their rows are named 'ROW --cpu NAME'",
     )
     parser.add_argument("--llamacpp", default="Q4_0", help="llama.cpp quant types, comma-separated, or 'none'")
     parser.add_argument("--genai", action="store_true", help="also run ONNX Runtime GenAI's int4 (setup.sh ortgenai)")
@@ -359,7 +363,7 @@ def main() -> None:
             workdir / f"{backend}-{quant}{directory_suffix}{scales_directory}{KV_CACHES[kv][1]}",
         )
         for backend in args.backends.split(",")
-        for quant in args.quants.split(",")
+        for quant in filter(None, args.quants.split(","))
         for scales_options, scales_row, scales_directory in (SCALES[s] for s in args.scale_dtypes.split(","))
         for kv in args.kv_cache_dtypes.split(",")
     }
@@ -368,18 +372,14 @@ def main() -> None:
         settings = {k: v for k, v in recipe.settings.items() if k not in ("backend", "kv_cache_dtype") and v}
         directory = workdir / f"recipe-{name}"
         builds[f"llmlower recipe {name}"] = (recipe.backend, settings, recipe.kv_cache_dtype, directory)
-    if args.tvm_cpu:
-        builds = {
-            f"{row} --cpu {args.tvm_cpu}" if backend == "tvm" else row: (
-                backend,
-                options,
-                kv,
-                directory.with_name(f"{directory.name}-{args.tvm_cpu}") if backend == "tvm" else directory,
-            )
-            for row, (backend, options, kv, directory) in builds.items()
-        }
-    for backend, options, kv, directory in builds.values():  # first, alone in memory: compiling holds float32 weights
-        built_for = {"cpu": args.tvm_cpu} if backend == "tvm" and args.tvm_cpu else None
+    cpus: dict[str, str | None] = dict.fromkeys(builds)  # row -> the LLVM CPU its tvm build is for (None: this one)
+    for cpu in filter(None, args.tvm_cpus.split(",")):
+        for row, (backend, options, kv, directory) in list(builds.items()):
+            if backend == "tvm" and cpus[row] is None:
+                builds[f"{row} --cpu {cpu}"] = (backend, options, kv, directory.with_name(f"{directory.name}-{cpu}"))
+                cpus[f"{row} --cpu {cpu}"] = cpu
+    for row, (backend, options, kv, directory) in builds.items():  # first, alone in memory: compiling holds weights
+        built_for = {"cpu": cpus[row]} if cpus[row] else None
         ensure_artifact(str(checkpoint), backend, options, directory, kv_cache_dtype=kv, compile_options=built_for)
     loaded = load(checkpoint)
     captured = capture(loaded)
