@@ -72,6 +72,9 @@ def test_auto_never_picks_a_recipe_outside_the_gate_or_for_another_cpu():
 def test_a_backend_no_recipe_is_measured_on_compiles_unquantized():
     recipe, reason = pick_auto("torch", AVX512, EVERY_BACKEND)
     assert (recipe.backend, recipe.quant) == ("torch", "none") and "no recipe is measured on torch" in reason
+    recipe, reason = pick_auto("tvm", ARM, EVERY_BACKEND)  # TVM's recipes need x86: unquantized, saying why
+    assert (recipe.backend, recipe.quant) == ("tvm", "none") and "no tvm recipe runs here" in reason
+    assert "fast needs a CPU with avx2" in reason
 
 
 def test_explicit_settings_win_and_a_quant_replaces_the_recipes_quantization():

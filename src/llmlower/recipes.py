@@ -179,8 +179,9 @@ def pick_auto(
     exact = RECIPES["exact"]
     if backend is None or backend == exact.backend:
         return exact, "; ".join(["no faster recipe runs here", *passed])
-    # a backend no recipe is measured on (torch, mlir): exact's quantization on it
-    return Recipe("exact", exact.summary, backend), f"no recipe is measured on {backend}: unquantized"
+    # a backend none of whose recipes runs here (torch and mlir have none): exact's settings on it
+    why = f"no recipe is measured on {backend}" if not passed else f"no {backend} recipe runs here"
+    return Recipe("exact", exact.summary, backend), "; ".join([f"{why}: unquantized", *passed])
 
 
 def choose(asked: str | None, given: Mapping[str, Any], flags: set[str] | None = None) -> Choice:
