@@ -126,7 +126,8 @@ def test_generate_refuses_a_wrong_artifact_before_caching_it(tiny_llama, tmp_pat
     """generate, chat and serve compile through the cache, which runs the artifact against the torch reference
     first: a wrong one is refused in one line and never cached (so never run silently)."""
     _break_onnx(monkeypatch)
-    args = ["generate", str(tiny_llama), "--prompt", "Hi", "--max-tokens", "2", "--quant", "none", "--raw"]
+    args = ["generate", str(tiny_llama), "--prompt", "Hi", "--max-tokens", "2", "--backend", "onnx", "--quant", "none"]
+    args.append("--raw")
     assert main(args) == 1
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
