@@ -19,12 +19,13 @@ from llmlower.runtime.executors.tvm import use_threads
 
 
 def compiled(
-    module: torch.nn.Module, example: tuple, dynamic_shapes: tuple, accuracy_level: int = 0
+    module: torch.nn.Module, example: tuple, dynamic_shapes: tuple, accuracy_level: int = 0, cpu: str | None = None
 ) -> relax.VirtualMachine:
     """The module exported with these dynamic shapes, imported by the TVM backend's converters (`accuracy_level`:
-    the backend's option), compiled for this CPU."""
+    the backend's option), compiled for this CPU or for LLVM's CPU `cpu` (rocketlake: AVX-512 VNNI without AMX;
+    x86-64-v3: AVX2)."""
     exported = torch.export.export(module, example, dynamic_shapes=dynamic_shapes).run_decompositions()
-    target = tvm_target("cpu")
+    target = tvm_target("cpu", cpu=cpu)
     relax_module = StepImporter(target, accuracy_level).from_exported_program(
         exported, False, True, False, convert_map()
     )
@@ -56,6 +57,7 @@ def copy_bandwidth(repeats: int) -> float:
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cpu", help="build for this LLVM CPU instead of this one's (it must run here)")
 
 
 def start(args: argparse.Namespace) -> float:

@@ -16,14 +16,15 @@ tokens a step on a CPU by default); for each engine the bytes a decoded token re
 measured bandwidth its decode reaches. Peers, set up by benchmarks/peers/setup.sh: llama.cpp (its own converter,
 then its quantizer: --llamacpp Q4_0,Q4_K_M; the 16 requests as parallel sequences of one context, as its server's
 slots decode them), ONNX Runtime GenAI's builder (its CPU int4 defaults: --genai) and
-vLLM's CPU build (--vllm: bf16 where the CPU computes it, else float32). Bytes a token reads: llmlower from the
+vLLM's CPU build (--vllm: bf16 where the CPU computes it, else float32; --vllm-without-amx: the same kept off AMX
+tiles, as on a CPU without them). Bytes a token reads: llmlower from the
 roofline cost model on the artifact's own pipeline (the chosen experts only), peers from their model files (dense
 shapes only: their files hold every expert).
 
     .venv/bin/python benchmarks/shaped_speed.py [--shape llama-1b] [--quants q4mix,q4g32-sym] [--lm-head-bits 4]
         [--scale-dtypes auto,float16] [--kv-cache-dtypes auto,float16] [--backends onnx] [--llamacpp Q4_0] [--genai]
-        [--vllm] [--new-tokens 64] [--prompt-tokens 13,512,2048] [--offline-budget 2048] [--repeats 3] [--threads N]
-        [--json FILE]
+        [--vllm] [--vllm-without-amx] [--new-tokens 64] [--prompt-tokens 13,512,2048] [--offline-budget 2048]
+        [--repeats 3] [--threads N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from pathlib import Path
 import torch
 import transformers
 from artifacts import ensure_artifact
-from peers.runner import OFFLINE, OFFLINE_NEW, OFFLINE_REQUESTS, offline_prompts
+from peers.runner import OFFLINE, OFFLINE_NEW, OFFLINE_REQUESTS, offline_prompts, without_amx_environment
 from speed import (
     artifact_read_bytes,
     bandwidth_roof,
@@ -316,6 +317,11 @@ def main() -> None:
     parser.add_argument("--llamacpp", default="Q4_0", help="llama.cpp quant types, comma-separated, or 'none'")
     parser.add_argument("--genai", action="store_true", help="also run ONNX Runtime GenAI's int4 (setup.sh ortgenai)")
     parser.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build (setup.sh vllm)")
+    parser.add_argument(
+        "--vllm-without-amx",
+        action="store_true",
+        help="also run vLLM kept off AMX tiles (oneDNN capped at AVX-512 BF16, its AMX kernels not chosen)",
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument(
         "--prompt-tokens",
@@ -419,10 +425,15 @@ def main() -> None:
         print("[shaped] ONNX Runtime GenAI int4: batch 1", file=sys.stderr)
         rows["ONNX Runtime GenAI int4"] = peer("ortgenai", genai, prompts, args.new_tokens, args.repeats, args.threads)
         reads["ONNX Runtime GenAI int4"] = ortgenai_read_bytes(genai, loaded.spec, read_context) if dense else None
-    if args.vllm:
-        print("[shaped] vLLM CPU", file=sys.stderr)
-        row = peer("vllm_offline", checkpoint, prompts, args.new_tokens, args.repeats, args.threads, venv="vllm")
-        name = f"vLLM CPU {row['dtype']}"
+    vllm_runs = {"": None} if args.vllm else {}
+    if args.vllm_without_amx:
+        vllm_runs[" without AMX"] = without_amx_environment()
+    for suffix, environment in vllm_runs.items():
+        print(f"[shaped] vLLM CPU{suffix}", file=sys.stderr)
+        row = peer(
+            "vllm_offline", checkpoint, prompts, args.new_tokens, args.repeats, args.threads, "vllm", environment
+        )
+        name = f"vLLM CPU {row['dtype']}{suffix}"
         rows[name], reads[name] = row, float_read_bytes(captured, read_context, row["dtype"])
     for name, row in rows.items():
         if reads[name]:

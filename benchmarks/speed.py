@@ -184,17 +184,24 @@ def artifact(
 
 
 def peer(
-    name: str, model: Path, prompts: dict[int, list[int]], new_tokens: int, repeats: int, threads: int, venv: str = ""
+    name: str,
+    model: Path,
+    prompts: dict[int, list[int]],
+    new_tokens: int,
+    repeats: int,
+    threads: int,
+    venv: str = "",
+    environment: dict[str, str] | None = None,
 ) -> dict:
-    """Run benchmarks/peers/NAME.py in its own virtual environment (.venv-NAME, or .venv-VENV); its JSON line is
-    the row."""
+    """Run benchmarks/peers/NAME.py in its own virtual environment (.venv-NAME, or .venv-VENV), in `environment`
+    (default: this process's); its JSON line is the row."""
     python = PEERS / f".venv-{venv or name}" / "bin" / "python"
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump({str(n): ids for n, ids in prompts.items()}, f)
         f.flush()
         command = [str(python), str(PEERS / f"{name}.py"), "--model", str(model), "--prompts", f.name]
         command += ["--new-tokens", str(new_tokens), "--repeats", str(repeats), "--threads", str(threads)]
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True, env=environment)
     if done.returncode != 0:
         raise SystemExit(f"{name}.py failed ({done.returncode}):\n{done.stderr}")
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]  # a peer may log to stdout too

@@ -53,11 +53,11 @@ def expert_tensors(args: argparse.Namespace, quant: str) -> tuple[list[torch.Ten
     return [t for p in packed for t in (p.qweight, p.scales)], scheme.bits
 
 
-def compiled_experts(module: torch.nn.Module, example: tuple) -> relax.VirtualMachine:
-    """The module exported for any number of tokens, compiled for this CPU."""
+def compiled_experts(module: torch.nn.Module, example: tuple, cpu: str | None) -> relax.VirtualMachine:
+    """The module exported for any number of tokens, compiled for this CPU (or LLVM's CPU `cpu`)."""
     tokens = torch.export.Dim("tokens", min=1, max=4096)
     shapes = ({0: tokens}, {0: tokens}, {0: tokens}, (None,) * (len(example) - 3))  # the last: *experts
-    return compiled(module, example, shapes)
+    return compiled(module, example, shapes, cpu=cpu)
 
 
 def router(tokens: int, args: argparse.Namespace, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,7 +86,7 @@ def main() -> None:
     bandwidth = start(args)
     for quant in args.quant.split(","):
         experts, bits = expert_tensors(args, quant)
-        vm = compiled_experts(Experts(bits), (*router(2, args), *experts))
+        vm = compiled_experts(Experts(bits), (*router(2, args), *experts), args.cpu)
         weights = [tvm.runtime.tensor(t.numpy()) for t in experts]
         for tokens in (int(n) for n in args.tokens.split(",")):
             routers = [router(tokens, args, seed) for seed in range(args.repeats)]

@@ -4,7 +4,7 @@ bandwidth (read + written). The default shapes are SmolLM2's: q/k/v fused (576 -
 3072), down (1536 -> 576) and the LM head (576 -> 49152).
 
     .venv/bin/python benchmarks/tvm_qlinear_kernel.py [--shapes 576x3072,1536x576] [--quant q4g32-sym,q4g32-sym-f16]
-        [--rows 1,16,128] [--accuracy-levels 0,4] [--repeats 20] [--threads 2]
+        [--rows 1,16,128] [--accuracy-levels 0,4] [--repeats 20] [--threads 2] [--cpu rocketlake]
 """
 
 from __future__ import annotations
@@ -46,12 +46,14 @@ def packed(in_features: int, out_features: int, quant: str) -> tuple[list[torch.
     return [t for t in (q.qweight, q.scales, q.zeros) if t is not None], scheme.bits
 
 
-def compiled_linear(module: Linear, tensors: list[torch.Tensor], accuracy_level: int) -> tvm.relax.VirtualMachine:
-    """The module exported for any number of rows, compiled for this CPU."""
+def compiled_linear(
+    module: Linear, tensors: list[torch.Tensor], accuracy_level: int, cpu: str | None
+) -> tvm.relax.VirtualMachine:
+    """The module exported for any number of rows, compiled for this CPU (or LLVM's CPU `cpu`)."""
     rows = torch.export.Dim("rows", min=1, max=4096)
     example = (torch.randn(2, module.in_features), *tensors)
     shapes = ({0: rows}, None, None, *([(None,)] if len(tensors) == 3 else []))  # the last: *zeros
-    return compiled(module, example, shapes, accuracy_level)
+    return compiled(module, example, shapes, accuracy_level, cpu)
 
 
 def main() -> None:
@@ -73,7 +75,7 @@ def main() -> None:
             weights = [tvm.runtime.tensor(t.numpy()) for t in tensors]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             for level in (int(n) for n in args.accuracy_levels.split(",")):
-                vm = compiled_linear(module, tensors, level)
+                vm = compiled_linear(module, tensors, level, args.cpu)
                 for rows in (int(n) for n in args.rows.split(",")):
                     gen = torch.Generator().manual_seed(rows)
                     xs = [torch.randn(rows, in_features, generator=gen) for _ in range(args.repeats)]

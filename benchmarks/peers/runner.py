@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
 OFFLINE_REQUESTS, OFFLINE_PROMPT, OFFLINE_NEW = 16, 100, 128  # vLLM's offline workload: prompts all at once
@@ -20,6 +22,13 @@ def offline_prompts(prompts: dict[int, list[int]]) -> list[list[int]]:
     """OFFLINE_REQUESTS prompts of OFFLINE_PROMPT tokens, each a different cut of the longest prompt."""
     source = prompts[max(prompts)] * 2
     return [source[i * 7 : i * 7 + OFFLINE_PROMPT] for i in range(OFFLINE_REQUESTS)]
+
+
+def without_amx_environment() -> dict[str, str]:
+    """This process's environment for a peer run as on a CPU without AMX tiles (see without_amx/sitecustomize.py)."""
+    folder = str(Path(__file__).parent / "without_amx")
+    path = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
 
 
 def native_dtype() -> str:

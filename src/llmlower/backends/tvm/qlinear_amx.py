@@ -11,7 +11,13 @@ even features (the low nibbles) then its odd ones, for 8-bit weights as they com
 streams) a window ahead into a small buffer that stays in L1, with more (prompt chunks) all at once for every tile;
 it prefetches the next task's weights and scales meanwhile. 8-bit weights are read in place. Linux hands a
 process the tiles' state only when asked (arch_prctl), so each call asks first (once granted, a cheap no-op) and
-keeps the vector path if refused."""
+keeps the vector path if refused.
+
+Without AMX, AVX-512 VNNI runs the same layout in registers (in_registers): a C tile's 16 x 16 sums are 16 vectors,
+and each four bytes of a weight row, broadcast, meet the 16 rows of x's four bytes in one vpdpbusd; every group is
+unpacked with the task's bytes at once and its sums take their scales straight after its multiply. Per weight byte
+that is one instruction for 16 rows and a group's float work once per 16 rows, where the vector loop does that work
+once per row (docs/benchmarks.md has the timings)."""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from typing import NamedTuple
 from tvm import DataType, tirx
 from tvm.script import tirx as T
 
+from .int8_dot import VNNI, dot_u8_s8
 from .int8_rounding import group_max_macro, inverse_scale
 from .lane_tree import lane_sum
 from .prefetch import LINE_BYTES, prefetch
@@ -93,16 +100,19 @@ def amx_macros(
     scale_of,
     bias_of,
     staged: tuple[bool, bool] = (False, False),
+    in_registers: bool = False,
 ):
-    """The AMX path's two steps as TIR macros over the kernel's operands (qlinear_int8.Operands: x_tiles
+    """The tile path's two steps as TIR macros over the kernel's operands (qlinear_int8.Operands: x_tiles
     [tiles * 16 * in_features] int8, x_scale_t and x_sums_t [groups, tiles * 16] float32 among them), to run once
-    tiles_granted(): round_row_to_tiles(k, i, rows, b) and weight_rows(k, task, rows, b). zero_of(k, n, g),
+    tiles_granted() (`in_registers`: AVX-512 VNNI's registers instead, no grant needed): round_to_tiles(k, rows, b)
+    and weight_rows(k, task, rows, b). zero_of(k, n, g),
     scale_of(k, n, g) and bias_of(k, n): weight row n's group g zero point and scale, and its bias, as float32.
     `staged` (scales, zero points): those a task widens to float32 for its 16 rows once, up front, where the drain
     would convert them for every weight row and group (16-bit ones); float32 ones, zero points in nibbles (staging
     them measured slower on SmolLM2's q4mix-a8) and constant ones are read in place."""
     streams, stream_bytes, depth = shape
     stage_scales, stage_zeros = staged
+    sums_scope = "global" if in_registers else "local"
     group_max = group_max_macro(group)
     unpack = bits == 4
     row_bytes = in_features * bits // 8
@@ -119,35 +129,41 @@ def amx_macros(
     to_stream_order = [m * streams + s for s in range(streams) for m in range(chunk_bytes)]
 
     @T.macro
-    def round_row_to_tiles(k, i, rows, b):  # row i of x rounded per group into its tile, its scales and sums per group
+    def round_group_to_tiles(k, i, g, rows, b):  # group g of row i of x rounded into its tile, its scale and sum
         if i >= rows:  # a padding row of the last tile: scale and sums 0, so that its int32 sums come to 0.0
-            for g in T.serial(groups):
-                k.x_scale_t[g, i] = T.float32(0)
-                k.x_sums_t[g, i] = T.float32(0)
+            k.x_scale_t[g, i] = T.float32(0)
+            k.x_sums_t[g, i] = T.float32(0)
         else:
-            for g in T.serial(groups):
-                with T.sblock("round_group"):
-                    T.reads()
-                    T.writes()
-                    rounded = T.sblock_alloc_buffer((chunk,), "int8")  # a chunk's, in stream order
-                    sums = T.sblock_alloc_buffer((chunk,), "int32")  # in registers, by lanes
-                    largest = T.sblock_alloc_buffer((1,), "float32")
-                    group_max(k, i, b, g, largest)
-                    inverse: T.let[T.float32] = inverse_scale(largest[0])
-                    k.x_scale_t[g, i] = largest[0] / T.float32(127)
-                    sums[T.ramp(0, 1, chunk)] = T.broadcast(T.int32(0), chunk)
-                    for c in T.serial(group // chunk):
-                        values = T.meta_var(k.x[i // b, i % b, T.ramp(g * group + c * chunk, 1, chunk)])
-                        scaled = T.meta_var(T.Cast(f"int8x{chunk}", T.nearbyint(values * T.broadcast(inverse, chunk))))
-                        rounded[T.ramp(0, 1, chunk)] = T.Shuffle([scaled], to_stream_order)
-                        sums[T.ramp(0, 1, chunk)] += T.Cast(f"int32x{chunk}", rounded[T.ramp(0, 1, chunk)])
-                        for s, j in T.grid(streams, chunk_bytes // side_by_side):
-                            p = T.meta_var(g * group + s * stream_bytes + c * chunk_bytes + j * side_by_side)
-                            at = T.meta_var(T.ramp(s * chunk_bytes + j * side_by_side, 1, side_by_side))
-                            k.x_tiles[T.ramp(tile_position(shape, in_features, p, i), 1, side_by_side)] = rounded[at]
-                    # what a zero point of 1 takes off the group
-                    total = T.meta_var(lane_sum(sums[T.ramp(0, 1, chunk)], "int32"))
-                    k.x_sums_t[g, i] = T.Cast("float32", total) * k.x_scale_t[g, i]
+            with T.sblock("round_group"):
+                T.reads()
+                T.writes()
+                rounded = T.sblock_alloc_buffer((chunk,), "int8")  # a chunk's, in stream order
+                sums = T.sblock_alloc_buffer((chunk,), "int32")  # in registers, by lanes
+                largest = T.sblock_alloc_buffer((1,), "float32")
+                group_max(k, i, b, g, largest)
+                inverse: T.let[T.float32] = inverse_scale(largest[0])
+                k.x_scale_t[g, i] = largest[0] / T.float32(127)
+                sums[T.ramp(0, 1, chunk)] = T.broadcast(T.int32(0), chunk)
+                for c in T.serial(group // chunk):
+                    values = T.meta_var(k.x[i // b, i % b, T.ramp(g * group + c * chunk, 1, chunk)])
+                    scaled = T.meta_var(T.Cast(f"int8x{chunk}", T.nearbyint(values * T.broadcast(inverse, chunk))))
+                    rounded[T.ramp(0, 1, chunk)] = T.Shuffle([scaled], to_stream_order)
+                    sums[T.ramp(0, 1, chunk)] += T.Cast(f"int32x{chunk}", rounded[T.ramp(0, 1, chunk)])
+                    for s, j in T.grid(streams, chunk_bytes // side_by_side):
+                        p = T.meta_var(g * group + s * stream_bytes + c * chunk_bytes + j * side_by_side)
+                        at = T.meta_var(T.ramp(s * chunk_bytes + j * side_by_side, 1, side_by_side))
+                        k.x_tiles[T.ramp(tile_position(shape, in_features, p, i), 1, side_by_side)] = rounded[at]
+                # what a zero point of 1 takes off the group
+                total = T.meta_var(lane_sum(sums[T.ramp(0, 1, chunk)], "int32"))
+                k.x_sums_t[g, i] = T.Cast("float32", total) * k.x_scale_t[g, i]
+
+    @T.macro
+    def round_to_tiles(k, rows, b):  # x rounded into tiles, a tile's rows of a group in one thread: they share
+        # each of its cache lines, 4 bytes each (split between threads, every line of a step's one tile went back
+        # and forth between the cores); a tile's groups split between the threads
+        for part in T.parallel(tiles_of(rows) * groups):
+            for r in T.serial(TILE_ROWS):
+                round_group_to_tiles(k, part // groups * TILE_ROWS + r, part % groups, rows, b)
 
     @T.macro
     def configure(config):  # palette 1: two of each, C 16 rows of 16 int32, A 16 rows of `depth` bytes, B depth / 4
@@ -180,7 +196,7 @@ def amx_macros(
         unpacked[r, T.ramp(slot * 2 * window, 1, 2 * window)] = T.Shuffle([low_nibbles, high_nibbles], in_stream_order)
 
     @T.macro
-    def multiply(k, tiles, unpacked, one_tile, first, t, g):  # C tile `tiles` = group g of the 16 weight rows x tile t
+    def ahead(k, unpacked, one_tile, first, t, g):  # before group g's multiply: what later ones will read, fetched
         if t == 0 and first + TILE_ROWS < k.weight.shape[0]:  # the next task's weights and scales, a group's share
             prefetch_part(k.weight, first, g)
             prefetch_part(k.scales, first, g)
@@ -188,19 +204,42 @@ def amx_macros(
         if one_tile and unpack and g % window_groups == 0 and w + 1 < windows:  # the next window, one ahead so
             for r in T.serial(TILE_ROWS):  # that its stores are in L1 by the time tiles load them
                 unpack_window(k, unpacked, first, r, w + 1, (w + 1) % 2)
+
+    def weight_at(buffer, one_tile, first, n, g, at, size=1):  # weight row first + n's element `at` (stream order)
+        if unpack:  # one tile: the group's place in its window's half of the buffer; more: in the task's bytes
+            place = g // window_groups % 2 * window_groups + g % window_groups if one_tile else g
+            return buffer[n, (place * group + at - g * group) // size]
+        return buffer[first + n, at // size]  # 8-bit weights: a group's bytes are its features, in place
+
+    @T.macro
+    def multiply(k, tiles, unpacked, one_tile, first, t, g):  # C tile `tiles` = group g of the 16 weight rows x tile t
+        ahead(k, unpacked, one_tile, first, t, g)
         x86_intrinsic("tilezero", T.int8(C_TILE + tiles))
         for q in T.serial(group // depth):
             at = T.meta_var(g * group + q * depth)  # in stream order
-            if unpack:  # one tile: the group's place in its window's half of the buffer; more: in the task's bytes
-                place = T.meta_var(w % 2 * window_groups + g % window_groups if one_tile else g)
-                weights = T.meta_var(T.address_of(unpacked[0, place * group + q * depth]))
-            else:  # 8-bit weights: a group's bytes are its features, in place
-                weights = T.meta_var(T.address_of(k.weight[first, at]))
+            weights = T.meta_var(T.address_of(weight_at(unpacked if unpack else k.weight, one_tile, first, 0, g, at)))
             x_rows = T.meta_var(T.address_of(k.x_tiles[(t * in_features + at) * TILE_ROWS]))
             stride = T.meta_var(unpacked.shape[1] if unpack else row_bytes)
             x86_intrinsic("tileloadd64", T.int8(A_TILE + 2 * tiles), weights, T.int64(stride))
             x86_intrinsic("tileloadd64", T.int8(B_TILE + 2 * tiles), x_rows, T.int64(64))
             x86_intrinsic("tdpbusd", T.int8(C_TILE + tiles), T.int8(A_TILE + 2 * tiles), T.int8(B_TILE + 2 * tiles))
+
+    @T.macro
+    def multiply_in_registers(k, sums, unpacked, one_tile, first, t, g):  # sums[0] = the same by vpdpbusd
+        ahead(k, unpacked, one_tile, first, t, g)
+        bytes_of = T.meta_var(unpacked if unpack else k.weight)
+        words = T.decl_buffer((bytes_of.shape[0], bytes_of.shape[1] // 4), "int32", data=bytes_of.data)
+        for n in T.unroll(TILE_ROWS):
+            sums[0, n, T.ramp(0, 1, TILE_ROWS)] = T.broadcast(T.int32(0), TILE_ROWS)
+        for q in T.serial(group // 4):  # four bytes deep: one int32 lane of the x tile's rows, 16 side by side
+            at = T.meta_var(g * group + q * 4)  # in stream order
+            x_quad = T.meta_var(k.x_tiles[T.ramp((t * in_features + at) * TILE_ROWS, 1, 4 * TILE_ROWS)])
+            for n in T.unroll(TILE_ROWS):  # weight row n's four bytes in every lane, against the 16 rows' four
+                weight = T.meta_var(weight_at(words, one_tile, first, n, g, at, 4))
+                spread = T.meta_var(T.reinterpret(f"uint8x{4 * TILE_ROWS}", T.broadcast(weight, TILE_ROWS)))
+                sums[0, n, T.ramp(0, 1, TILE_ROWS)] = dot_u8_s8(
+                    VNNI, sums[0, n, T.ramp(0, 1, TILE_ROWS)], spread, x_quad, 4 * TILE_ROWS
+                )
 
     def scale_at(k, staged_rows, first, n, g):  # the task's weight row n, group g: its scale as float32
         return staged_rows[0][n, g] if stage_scales else scale_of(k, first + n, g)
@@ -243,16 +282,21 @@ def amx_macros(
         if one_tile and unpack:  # the first window (the others are unpacked a window ahead)
             for r in T.serial(TILE_ROWS):
                 unpack_window(k, unpacked, first, r, 0, 0)
-        # two C tiles in turn: a group's multiply runs while the previous group's sums take their scales
-        multiply(k, 0, unpacked, one_tile, first, t, 0)
-        for pair in T.serial(groups // 2):
-            multiply(k, 1, unpacked, one_tile, first, t, 2 * pair + 1)
-            drain(k, staged_rows, 0, sums, low, high, first, t, 2 * pair)
-            if 2 * pair + 2 < groups:
-                multiply(k, 0, unpacked, one_tile, first, t, 2 * pair + 2)
-            drain(k, staged_rows, 1, sums, low, high, first, t, 2 * pair + 1)
-        if groups % 2 == 1:
-            drain(k, staged_rows, 0, sums, low, high, first, t, groups - 1)
+        if in_registers:  # the sums are registers: each group's taken straight after its multiply
+            for g in T.serial(groups):
+                multiply_in_registers(k, sums, unpacked, one_tile, first, t, g)
+                drain_half(k, staged_rows, 0, sums, low, 0, first, t, g)
+                drain_half(k, staged_rows, 0, sums, high, HALF, first, t, g)
+        else:  # two C tiles in turn: a group's multiply runs while the previous group's sums take their scales
+            multiply(k, 0, unpacked, one_tile, first, t, 0)
+            for pair in T.serial(groups // 2):
+                multiply(k, 1, unpacked, one_tile, first, t, 2 * pair + 1)
+                drain(k, staged_rows, 0, sums, low, high, first, t, 2 * pair)
+                if 2 * pair + 2 < groups:
+                    multiply(k, 0, unpacked, one_tile, first, t, 2 * pair + 2)
+                drain(k, staged_rows, 1, sums, low, high, first, t, 2 * pair + 1)
+            if groups % 2 == 1:
+                drain(k, staged_rows, 0, sums, low, high, first, t, groups - 1)
         for r in T.unroll(TILE_ROWS):
             if t * TILE_ROWS + r < rows:
                 row = T.meta_var(t * TILE_ROWS + r)
@@ -266,18 +310,21 @@ def amx_macros(
             T.reads()
             T.writes()
             config = T.sblock_alloc_buffer((64,), "uint8")
-            sums = T.sblock_alloc_buffer((2, TILE_ROWS, TILE_ROWS), "int32", scope="local")
-            # the sums so far of the task's weight rows, in registers: buffers under 1 KiB of the default scope
-            # become stack slots LLVM keeps in registers ("local" ones are heap workspace)
+            # a C tile's sums: stored by tiles, two of them ("local": heap workspace); in registers, one (buffers of
+            # the default scope up to 1 KiB become stack slots LLVM keeps in registers)
+            sums = T.sblock_alloc_buffer((1 if in_registers else 2, TILE_ROWS, TILE_ROWS), "int32", scope=sums_scope)
+            # the sums so far of the task's weight rows, in registers
             low = T.sblock_alloc_buffer((HALF, TILE_ROWS), "float32")
             high = T.sblock_alloc_buffer((HALF, TILE_ROWS), "float32")
             task_scales = T.sblock_alloc_buffer((TILE_ROWS, groups) if stage_scales else (1, 1), "float32")
             task_zeros = T.sblock_alloc_buffer((TILE_ROWS, groups) if stage_zeros else (1, 1), "float32")
             staged_rows = T.meta_var((task_scales, task_zeros))
-            configure(config)
+            if not in_registers:
+                configure(config)
             first = T.meta_var(task * TILE_ROWS)
             stage(k, staged_rows, first)
-            if rows <= TILE_ROWS:  # one tile of x (a step of up to 16 streams): a window's bytes at a time, in L1
+            # one tile of x on AMX (a step of up to 16 streams): a window's bytes at a time, in L1
+            if not in_registers and rows <= TILE_ROWS:
                 with T.sblock("one_tile"):
                     T.reads()
                     T.writes()
@@ -293,6 +340,7 @@ def amx_macros(
                             unpack_window(k, unpacked, first, r, w, w)
                     for t in T.serial(tiles_of(rows)):
                         tile_of_x(k, staged_rows, sums, low, high, unpacked, False, first, t, rows, b)
-            x86_intrinsic("tilerelease")
+            if not in_registers:
+                x86_intrinsic("tilerelease")
 
-    return round_row_to_tiles, weight_rows
+    return round_to_tiles, weight_rows

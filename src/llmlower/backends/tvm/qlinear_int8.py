@@ -10,8 +10,11 @@ whole vectors too: a vector's weight scales (and float zero points; float32 or f
 spread over its lanes by one shuffle, shared by the tile's rows, and each x row's scales and sums once per call. One
 row (decode) is bound by memory, many (prompts, many streams) by the int8 instructions; converting every weight to
 float32, the float kernel was bound by those conversions at both. Where the CPU has AMX's int8 tiles, calls of
-MIN_ROWS rows or more take qlinear_amx's tiles instead (the same rounded integers); where it has no VNNI, calls of
-MADDUBS_FLOAT_ROWS rows or more take the float kernel's path, whose conversions their rows share."""
+MIN_ROWS rows or more take qlinear_amx's tiles instead (the same rounded integers); with AVX-512 VNNI but no AMX,
+calls of REGISTER_ROWS rows or more take the same tiles' layout with their 16 x 16 sums in vector registers, each
+weight row's four bytes broadcast against 16 rows of x, so that a group's float work is shared by 16 rows where the
+vector loop's is done once per row; where it has no VNNI, calls of MADDUBS_FLOAT_ROWS rows or more take the float
+kernel's path, whose conversions their rows share."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import NamedTuple
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .int8_dot import MADDUBS, Int8Dot, byte_offset, dot_bytes, dot_nibbles
+from .int8_dot import MADDUBS, VNNI, Int8Dot, byte_offset, dot_bytes, dot_nibbles
 from .int8_rounding import group_max_macro, inverse_scale
 from .lane_tree import buffer_tree
 from .paged_kernels import ATTRS
@@ -48,6 +51,7 @@ TILE = 4  # activation rows a weight vector is multiplied with while it is in a 
 # int8 down 8 rows 0.34 against 0.40, 16 rows 0.63-0.66 against 0.64-0.70, 32 rows 1.22 against 1.24, 64 rows 2.45
 # against 2.27)
 MADDUBS_FLOAT_ROWS = {4: 8, 8: 32}
+REGISTER_ROWS = 8  # rows of x from which AVX-512 VNNI without AMX takes tiles of 16 (padded) in registers
 
 
 def rounds_activations(bits: int, group: int, int8_dot: Int8Dot | None) -> bool:
@@ -158,16 +162,27 @@ def int8_kernel(
     half = group // 2
     group_max = group_max_macro(group)
     zero_shape, zero_dtype = zero_layout(zeros, out_features, groups, scale_dtype)
-    amx = amx_shape(bits, group, out_features) if int8_dot.amx else None
+    # tiles of 16 rows of x against 16 weight rows: AMX's where the CPU has them, else 16 x 16 sums in AVX-512
+    # registers by vpdpbusd (qlinear_amx, in_registers)
+    in_registers = not int8_dot.amx and int8_dot.kind == VNNI and int8_dot.widest == 64
+    tiles = amx_shape(bits, group, out_features) if int8_dot.amx or in_registers else None
     operand_reads = (
         lambda k, n, g: zero_point(zeros, bits, k.zeros, n, g),
         lambda k, n, g: T.Cast("float32", k.scales[n, g]),
         lambda k, n: k.bias[n] if bias else T.float32(0),
     )
-    if amx is not None:
-        narrow = scale_dtype != "float32"  # 16-bit scales and float zero points staged; the rest read in place
-        staged = (narrow, zeros == "float" and narrow)
-        round_row_to_tiles, amx_weight_rows = amx_macros(amx, group, groups, in_features, bits, *operand_reads, staged)
+    if tiles is not None:
+        # 16-bit scales and float zero points staged, and in registers nibble zero points too (their shifts per
+        # weight row and group were as many instructions as the group's sums took); the rest read in place
+        narrow = scale_dtype != "float32"
+        staged = (narrow, (zeros == "float" and narrow) or (zeros == "nibbles" and in_registers))
+        round_to_tiles, tile_weight_rows = amx_macros(
+            tiles, group, groups, in_features, bits, *operand_reads, staged, in_registers
+        )
+        if in_registers:
+            tiled = lambda rows: rows >= REGISTER_ROWS  # noqa: E731
+        else:  # the syscall only where tiles would be taken (decode's one row never makes it)
+            tiled = lambda rows: T.if_then_else(rows >= MIN_ROWS, tiles_granted(), False)  # noqa: E731
     # grouped 4-bit weights on bfloat16 tiles (8-bit ones and per-channel ones keep int8's, twice bfloat16's rate)
     bf16_task = bf16_task_rows(out_features, in_features)
     in_bf16 = int8_dot.amx_bf16 and bits == 4 and groups > 1 and in_features % DEPTH == 0 and bf16_task is not None
@@ -343,7 +358,7 @@ def int8_kernel(
                             pairs_of_row(k, t * TILE_ROWS + r, a * b, b)
                     for task in T.parallel(out_features // bf16_task):
                         bf16_weight_rows(k, task, a * b, b)
-            elif amx is not None and T.if_then_else(a * b >= MIN_ROWS, tiles_granted(), False):
+            elif tiles is not None and tiled(a * b):
                 with T.sblock("amx"):
                     T.reads()
                     T.writes()
@@ -352,13 +367,9 @@ def int8_kernel(
                     x_scale_t = T.sblock_alloc_buffer((groups, padded_rows), "float32")
                     x_sums_t = T.sblock_alloc_buffer((groups, padded_rows), "float32")
                     k = T.meta_var(operands._replace(x_tiles=x_tiles, x_scale_t=x_scale_t, x_sums_t=x_sums_t))
-                    # a tile's rows in one thread: they share each of its cache lines, 4 bytes each (split between
-                    # threads, every line of a step's one tile went back and forth between the cores)
-                    for t in T.parallel(tiles_of(a * b)):
-                        for r in T.serial(TILE_ROWS):
-                            round_row_to_tiles(k, t * TILE_ROWS + r, a * b, b)
+                    round_to_tiles(k, a * b, b)
                     for task in T.parallel(out_features // TILE_ROWS):
-                        amx_weight_rows(k, task, a * b, b)
+                        tile_weight_rows(k, task, a * b, b)
             elif in_float and a * b >= MADDUBS_FLOAT_ROWS[bits]:
                 float_rows(x, qweight, scales, zero_buffer, bias_buffer, out, a * b, b)
             else:
