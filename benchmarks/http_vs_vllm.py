@@ -12,8 +12,8 @@ close the report.
 
     bash benchmarks/peers/setup.sh vllm
     .venv/bin/python benchmarks/http_vs_vllm.py [--model example] [--backend onnx] [--quant q4mix]
-        [--kv-cache-dtype auto] [--requests 48] [--concurrency 16] [--threads 2] [--rounds 1] [--artifacts DIR]
-        [--json FILE]
+        [--kv-cache-dtype auto] [--recipe fast] [--tvm-cpu rocketlake] [--vllm-without-amx] [--requests 48]
+        [--concurrency 16] [--threads 2] [--rounds 1] [--artifacts DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from artifacts import ensure_artifact
-from peers.runner import native_dtype
+from peers.runner import native_dtype, without_amx_environment
 from serving import free_port, wait_healthy
 from shaped_speed import machine
 
@@ -61,7 +61,8 @@ def vllm_command(checkpoint: Path, port: int, args: argparse.Namespace) -> tuple
     command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
     command += ["--served-model-name", SERVED_NAME, "--dtype", native_dtype(), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--max-model-len", "1024", "--max-num-seqs", str(args.concurrency), "--seed", "0"]
-    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    base = without_amx_environment() if args.vllm_without_amx else os.environ
+    environment = {**base, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
     return command, environment
 
 
@@ -110,6 +111,11 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="its KV cache: auto, float16 (tvm) or int8")
     parser.add_argument("--recipe", choices=list(RECIPES), help="a named recipe's artifact instead of --backend ...")
     parser.add_argument("--tvm-cpu", help="the LLVM CPU a tvm artifact is built for (rocketlake: AVX-512 without AMX)")
+    parser.add_argument(
+        "--vllm-without-amx",
+        action="store_true",
+        help="keep vLLM's server off AMX tiles (oneDNN capped at AVX-512 BF16, its AMX kernels not chosen)",
+    )
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -143,7 +149,8 @@ def main() -> None:
         compile_options=built_for,
     )
     ceilings = machine_ceilings("cpu")
-    ours_name, theirs_name = f"llmlower serve ({ours})", f"vLLM server ({native_dtype()})"
+    theirs = f"{native_dtype()}{', without AMX' if args.vllm_without_amx else ''}"
+    ours_name, theirs_name = f"llmlower serve ({ours})", f"vLLM server ({theirs})"
     servers = [(ours_name, llmlower_command, artifact), (theirs_name, vllm_command, checkpoint)]
     rounds = []
     for index in range(args.rounds):

@@ -131,8 +131,9 @@ def _quantized_with_extremes(
 @x86
 @pytest.mark.parametrize(("dot", "quant"), [(d, q) for d in _instructions() for q in sorted(SCHEMES)], ids=str)
 def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
-    """One row (decode), five and eleven (tiles of rows and the rest one by one), 16 (with AMX: one tile of x, its
-    weights unpacked a window at a time) and 37 (with AMX: two tiles of 16 rows and a short one), each row as the
+    """One row (decode), five and eleven (tiles of rows and the rest one by one; AVX-512 VNNI without AMX: from
+    REGISTER_ROWS, a padded tile in registers), 16 (with AMX: one tile of x, its weights unpacked a window at a time)
+    and 37 (tiles: two of 16 rows and a short one), each row as the
     reference computes it, and off the float kernel by the rounding of x only; without VNNI, calls of
     MADDUBS_FLOAT_ROWS rows or more are the float kernel's, bit for bit. Groups of 32 take 576 features: 18 groups,
     which 64-byte vectors of four 4-bit groups do not divide (the last two take a 32-byte vector, their packed zero
@@ -179,19 +180,20 @@ def test_groups_of_less_than_a_vector_stay_in_float32():
 
 
 @x86
-@pytest.mark.parametrize("quant", ["q4g32-sym", "q4g32", "q8"])
+@pytest.mark.parametrize("quant", ["q4g32-sym", "q4g32", "q4g32-zp4", "q8"])
 def test_float16_scales_give_what_the_same_scales_in_float32_give(quant):
     """Scales (and float zero points) read as float16 and widened in the kernel: the float32 kernel's results on the
     same values, bit for bit, on the float kernel and the int8 one (one row, a tile, and on AMX one tile of 16 rows,
-    whose tasks widen their scales up front, and many)."""
+    whose tasks widen their scales up front, and many; with AVX-512 VNNI, its tiles in registers, whose tasks widen
+    nibble zero points too)."""
     scheme, zeros = SCHEMES[quant]
     gen = torch.Generator().manual_seed(4)
     q = quantize(torch.randn(64, 576, generator=gen) * 0.05, QuantScheme(**{**vars(scheme), "scale_dtype": "float16"}))
     narrow = [t.numpy() for t in (q.qweight, q.scales, q.zeros) if t is not None]
-    wide = [narrow[0], *(t.astype("float32") for t in narrow[1:])]
+    wide = [narrow[0], *(t.astype("float32") if t.dtype == np.float16 else t for t in narrow[1:])]  # zp4: nibbles
     bias = torch.randn(64, generator=gen).numpy()
     x = torch.randn(37, 576, generator=gen).numpy()
-    for dot in [None, *_instructions()[-1:]]:  # the float kernel, and this CPU's widest int8 dot product (or AMX)
+    for dot in [None, *_instructions()[-2:]]:  # the float kernel, and this CPU's two widest int8 paths (AMX's too)
         for rows in (x[:1], x[:5], x[:16], x):
             np.testing.assert_array_equal(
                 _run_kernel(dot, rows, narrow, scheme.bits, zeros, bias),
