@@ -51,9 +51,16 @@ def compile_program(
         pipeline = with_kv_layout(pipeline, kv_layout, block_size)
     loaded = load(resolve_model(model), dtype=dtype)
     pipeline = with_calibration(with_kv_cache_dtype(pipeline, kv_cache_dtype, dtype), loaded)
+    return loaded, run_calibrated(loaded, pipeline, verify, dump_dir)
+
+
+def run_calibrated(
+    loaded: LoadedModel, pipeline: Sequence[PassSpec], verify: bool, dump_dir: str | Path | None = None
+) -> Program:
+    """The pipeline run on a fresh capture of the model, its calibrated passes' results kept in (and taken from)
+    the cache's calibration store."""
     with calibration_store(cache_dir() / CALIBRATION_DIR):
-        program = run_pipeline(capture(loaded), pipeline, verify=verify, dump_dir=dump_dir)
-    return loaded, program
+        return run_pipeline(capture(loaded), pipeline, verify=verify, dump_dir=dump_dir)
 
 
 def with_kv_cache_dtype(pipeline: Sequence[PassSpec], kv_cache_dtype: str, dtype: str) -> list[PassSpec]:
@@ -262,8 +269,7 @@ def compile_artifact(
     loaded = load(resolve_model(model), dtype=dtype)
     check_draft_layers(drafts, loaded.spec.num_layers)  # before minutes of compiling
     pipeline = with_calibration(with_kv_cache_dtype(pipeline, kv_cache_dtype, dtype), loaded)
-    with calibration_store(cache_dir() / CALIBRATION_DIR):
-        program = run_pipeline(capture(loaded), pipeline, verify=verify)
+    program = run_calibrated(loaded, pipeline, verify)
 
     def write_tokenizer(directory: Path) -> None:
         loaded.tokenizer.write(directory)
@@ -293,8 +299,7 @@ def compile_artifact(
         for k in drafts:
             name = draft_dir_name(k)
             with stage(f"self-draft {name}: the first {k} of {program.spec.num_layers} decoder layers") as shown:
-                with calibration_store(cache_dir() / CALIBRATION_DIR):
-                    draft = run_pipeline(capture(loaded), draft_pipeline(pipeline, k), verify=verify)
+                draft = run_calibrated(loaded, draft_pipeline(pipeline, k), verify)
                 check_same_kv_layout(program, draft)
                 about = {"draft": {"method": "early_exit", "layers": k, "target_layers": program.spec.num_layers}}
                 built[k] = build(draft, scratch / name, write_extra=write_tokenizer, manifest_extra=about)
