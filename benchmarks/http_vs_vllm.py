@@ -134,7 +134,7 @@ def main() -> None:
     if args.recipe:
         recipe = RECIPES[args.recipe]
         args.backend, args.kv_cache_dtype = recipe.backend, recipe.kv_cache_dtype
-        options = {k: v for k, v in recipe.settings.items() if k not in ("backend", "kv_cache_dtype") and v}
+        options = recipe.pipeline_options
         label = ours = f"recipe {args.recipe}"
     built_for = {"cpu": args.tvm_cpu} if args.tvm_cpu and args.backend == "tvm" else None
     if built_for:

@@ -375,9 +375,8 @@ def main() -> None:
     }
     for name in filter(None, args.recipes.split(",")):
         recipe = RECIPES[name]
-        settings = {k: v for k, v in recipe.settings.items() if k not in ("backend", "kv_cache_dtype") and v}
         directory = workdir / f"recipe-{name}"
-        builds[f"llmlower recipe {name}"] = (recipe.backend, settings, recipe.kv_cache_dtype, directory)
+        builds[f"llmlower recipe {name}"] = (recipe.backend, recipe.pipeline_options, recipe.kv_cache_dtype, directory)
     cpus: dict[str, str | None] = dict.fromkeys(builds)  # row -> the LLVM CPU its tvm build is for (None: this one)
     for cpu in filter(None, args.tvm_cpus.split(",")):
         for row, (backend, options, kv, directory) in list(builds.items()):

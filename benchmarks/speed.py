@@ -93,8 +93,8 @@ ARTIFACTS = {  # row -> (directory under --artifacts, backend, build_pipeline op
 
 def recipe_row(recipe: Recipe) -> tuple[str, str, dict[str, object]]:
     """A named recipe's artifact as an ARTIFACTS row: its directory, backend and settings."""
-    settings = {k: v for k, v in recipe.settings.items() if k != "backend" and v not in (None, False, "auto")}
-    return f"recipe-{recipe.name}", recipe.backend, settings
+    cache = {} if recipe.kv_cache_dtype == "auto" else {"kv_cache_dtype": recipe.kv_cache_dtype}
+    return f"recipe-{recipe.name}", recipe.backend, {**recipe.pipeline_options, **cache}
 
 
 ARTIFACTS |= {f"recipe {r.name}": recipe_row(r) for r in RECIPES.values() if r.name != "exact"}  # exact: onnx fp32

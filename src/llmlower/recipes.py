@@ -46,6 +46,11 @@ class Recipe:
         return {name: getattr(self, name) for name in recipe_settings()}
 
     @property
+    def pipeline_options(self) -> dict[str, Any]:
+        """Its build_pipeline options: the quantization settings (QUANT_FLAGS) it sets."""
+        return {name: getattr(self, name) for name in QUANT_FLAGS if getattr(self, name)}
+
+    @property
     def flags(self) -> str:
         """The command-line flags that spell it out."""
         words = [f"--backend {self.backend}", f"--quant {self.quant}"]

@@ -306,7 +306,7 @@ def amx_macros(
 
     @T.macro
     def weight_rows(k, task, rows, b):  # out[:, task's 16 weight rows]
-        with T.sblock("amx_weight_rows"):
+        with T.sblock("tile_weight_rows"):
             T.reads()
             T.writes()
             config = T.sblock_alloc_buffer((64,), "uint8")

@@ -359,7 +359,7 @@ def int8_kernel(
                     for task in T.parallel(out_features // bf16_task):
                         bf16_weight_rows(k, task, a * b, b)
             elif tiles is not None and tiled(a * b):
-                with T.sblock("amx"):
+                with T.sblock("tiles"):  # AMX's, or in AVX-512 registers
                     T.reads()
                     T.writes()
                     padded_rows = T.meta_var(tiles_of(a * b) * TILE_ROWS)
