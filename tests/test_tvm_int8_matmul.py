@@ -33,6 +33,7 @@ SCHEMES = {  # --quant name: the scheme and the kernel's kind of zero points
     "q4g64-zp4": (QuantScheme(4, 64, symmetric=False, packed_zeros=True), "nibbles"),
     "q4g128-sym": (QuantScheme(4, 128), "none"),
     "q8": (QuantScheme(8, 32), "none"),
+    "q8g64": (QuantScheme(8, 64), "none"),
     "q8g128": (QuantScheme(8, 128), "none"),
     "q8c": (QuantScheme(8, 0), "none"),  # per channel: one group a row
 }
@@ -137,9 +138,10 @@ def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
     reference computes it, and off the float kernel by the rounding of x only; without VNNI, calls of
     MADDUBS_FLOAT_ROWS rows or more are the float kernel's, bit for bit. Groups of 32 take 576 features: 18 groups,
     which 64-byte vectors of four 4-bit groups do not divide (the last two take a 32-byte vector, their packed zero
-    points one byte)."""
+    points one byte). Groups of 64 take 1152: 18 groups, so that every width sums its vectors' lanes a group at a time
+    in blocks (64-byte vectors of one 8-bit group: a block of 16) and leaves two groups one vector at a time."""
     scheme, zeros = SCHEMES[quant]
-    in_features = 576 if scheme.group in (0, 32) else 512
+    in_features = {0: 576, 32: 576, 64: 1152}.get(scheme.group, 512)
     rounded = scheme.group or in_features  # the features x is rounded in: per channel, the whole row
     gen = torch.Generator().manual_seed(0)
     out_features = 64

@@ -7,7 +7,9 @@ lanes by int8_dot's instruction, and per group
 Each thread takes whole weight rows and reads a row's bytes once per TILE activation rows, in the widest vectors the
 CPU has (a 64-byte vector holds four groups of 32 4-bit weights), so that the float arithmetic of the groups runs on
 whole vectors too: a vector's weight scales (and float zero points; float32 or float16) are read by one load and
-spread over its lanes by one shuffle, shared by the tile's rows, and each x row's scales and sums once per call. One
+spread over its lanes by one shuffle, shared by the tile's rows, and each x row's scales and sums once per call.
+Where a group takes part of a vector's lanes, a block of vectors' int32 lanes is first summed to one lane a group
+(lane_tree.group_sums), so that the float work runs once for as many groups as a vector has lanes. One
 row (decode) is bound by memory, many (prompts, many streams) by the int8 instructions; converting every weight to
 float32, the float kernel was bound by those conversions at both. Where the CPU has AMX's int8 tiles, calls of
 MIN_ROWS rows or more take qlinear_amx's tiles instead (the same rounded integers); with AVX-512 VNNI but no AMX,
@@ -27,7 +29,7 @@ from tvm.script import tirx as T
 
 from .int8_dot import MADDUBS, VNNI, Int8Dot, byte_offset, dot_bytes, dot_nibbles
 from .int8_rounding import group_max_macro, inverse_scale
-from .lane_tree import buffer_tree
+from .lane_tree import buffer_tree, group_sums, tree
 from .paged_kernels import ATTRS
 from .prefetch import prefetch
 from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_granted, tiles_of
@@ -116,6 +118,21 @@ def zero_point(zeros: str, bits: int, zero_buffer: tirx.Buffer, n: tirx.PrimExpr
     return T.float32(2 ** (bits - 1))
 
 
+def group_block(piece: Piece) -> int:
+    """Vectors whose int32 lanes are summed to one lane a group before the groups' float work (scale, zero point),
+    which then runs once for as many groups as a vector has lanes: as many as a group takes lanes (1: each vector's
+    float work on its own, too few vectors for a block or one group a row)."""
+    lanes_of_group = min(piece.per_group, piece.width) // 4
+    return lanes_of_group if 1 < lanes_of_group <= piece.count else 1
+
+
+def blocks_and_rest(piece: Piece) -> tuple[int, Piece]:
+    """The piece's group_block, and the vectors its blocks leave (taken one at a time)."""
+    block = group_block(piece)
+    whole = piece.count // block * block if block > 1 else 0
+    return block, piece._replace(first=piece.first + whole * piece.per_vector, count=piece.count - whole)
+
+
 class Operands(NamedTuple):
     """The kernel's buffers, passed to its macros as one: the call's, then each path's own."""
 
@@ -129,6 +146,8 @@ class Operands(NamedTuple):
     x_odd: tirx.Buffer | None = None  # 4-bit weights: the odd features (high nibbles)
     x_scale: tirx.Buffer | None = None  # [rows, groups * group lanes]: each group's scale, in every lane it takes
     x_sums: tirx.Buffer | None = None  # [rows, groups * group lanes]: the sum of the rounded x each lane multiplies
+    x_group_scale: tirx.Buffer | None = None  # [rows, groups]: each group's scale, once
+    x_group_sums: tirx.Buffer | None = None  # [rows, groups]: the sum of each group's rounded x
     x_tiles: tirx.Buffer | None = None  # AMX: [tiles * 16 * in_features] int8, x rounded in tiles (qlinear_amx)
     x_scale_t: tirx.Buffer | None = None  # AMX: [groups, tiles * 16]: each group's scale, row by row
     x_sums_t: tirx.Buffer | None = None  # AMX: [groups, tiles * 16]: each group's rounded sum x its scale
@@ -268,9 +287,13 @@ def int8_kernel(
                         for j in T.serial(4):
                             at = T.meta_var(g * per_group + c * span + lane * 4 + j)
                             k.x_sums[i, g * group_lanes + lane] += rounded_x(k, i, at)
+                k.x_group_scale[i, g] = largest[0] / T.float32(127)
+                k.x_group_sums[i, g] = tree(
+                    operator.add, [k.x_sums[i, g * group_lanes + q] for q in range(group_lanes)]
+                )
 
     @T.macro
-    def piece_of(k, acc, dots, n, first, rows, piece):  # the groups of one piece of row n's vectors, into acc
+    def vectors_of(k, acc, dots, n, first, rows, piece):  # a piece's groups, each vector's float work on its own
         for s in T.serial(piece.count):
             g = T.meta_var(piece.first + s * piece.per_vector)  # the vector's first group
             for r in T.unroll(rows):
@@ -294,6 +317,62 @@ def int8_kernel(
                 ) * (
                     loaded_lanes(k.scales, n, g, piece) * k.x_scale[first + r, T.ramp(g * group_lanes, 1, piece.lanes)]
                 )
+
+    def group_zeros(k, n, g, count):  # the zero points of groups g .. g + count (one a lane), less the offset
+        if zeros == "float":
+            points = T.Cast(f"float32x{count}", k.zeros[n, T.ramp(g, 1, count)])
+        elif zeros == "nibbles":  # g even: each byte widened, repeated in two lanes, shifted to its nibble
+            wide = T.Cast(f"int32x{count // 2}", k.zeros[n, T.ramp(g // 2, 1, count // 2)])
+            ends = [T.broadcast(T.int32(0), count), T.broadcast(T.int32(4), count)]  # even groups low, odd high
+            shifts = T.Shuffle(ends, [q + q % 2 * count for q in range(count)])
+            nibbles = (T.Shuffle([wide, wide], [q // 2 for q in range(count)]) >> shifts) & T.broadcast(
+                T.int32(15), count
+            )
+            points = T.Cast(f"float32x{count}", nibbles)
+        else:
+            points = T.broadcast(zero_point(zeros, bits, k.zeros, n, 0), count)
+        offset = byte_offset(int8_dot.kind, count * 4) if bits == 8 else 0
+        return points - T.broadcast(T.float32(offset), count) if offset else points
+
+    def block_dots(k, i, n, piece, first_vector, block):  # int32, one lane a group: a block's vectors against x row i
+        sums = []
+        for v in range(block):
+            dots = T.broadcast(T.int32(0), piece.lanes)
+            for c in range(piece.vectors):
+                at = piece.first * per_group + (first_vector + v) * piece.width * piece.vectors + c * piece.width
+                dots = weight_dot(dots, k.weight[n, T.ramp(at, 1, piece.width)], k, i, at, piece.width)
+            sums.append(dots)
+        return T.Cast(f"float32x{piece.lanes}", group_sums(sums, piece.lanes, block))
+
+    @T.macro
+    def blocks_of(k, acc, n, first, rows, piece, block):  # the float work once for as many groups as lanes
+        for s in T.serial(piece.count // block):
+            for v in T.unroll(block * piece.vectors):
+                T.evaluate(
+                    prefetch(
+                        k.weight[
+                            n, piece.first * per_group + (s * block * piece.vectors + v) * piece.width + STREAM_AHEAD
+                        ]
+                    )
+                )
+            g = T.meta_var(piece.first + s * block * piece.per_vector)  # the block's first group
+            count = T.meta_var(piece.lanes)
+            for r in T.unroll(rows):
+                acc[r, T.ramp(0, 1, count)] += (
+                    block_dots(k, first + r, n, piece, s * block, block)
+                    - group_zeros(k, n, g, count) * k.x_group_sums[first + r, T.ramp(g, 1, count)]
+                ) * (
+                    T.Cast(f"float32x{count}", k.scales[n, T.ramp(g, 1, count)])
+                    * k.x_group_scale[first + r, T.ramp(g, 1, count)]
+                )
+
+    @T.macro
+    def piece_of(k, acc, dots, n, first, rows, piece):  # the groups of one piece of row n's vectors, into acc
+        block, rest = T.meta_var(blocks_and_rest(piece))
+        if block > 1:
+            blocks_of(k, acc, n, first, rows, piece, block)
+        if rest.count > 0:
+            vectors_of(k, acc, dots, n, first, rows, rest)
 
     @T.macro
     def rows_of(k, acc, dots, n, first, b, rows):  # out[first .. first + rows, n]
@@ -380,7 +459,18 @@ def int8_kernel(
                     x_odd = T.sblock_alloc_buffer((a * b, in_features // 2), "int8")
                     x_scale = T.sblock_alloc_buffer((a * b, groups * group_lanes), "float32")
                     x_sums = T.sblock_alloc_buffer((a * b, groups * group_lanes), "float32")
-                    k = T.meta_var(operands._replace(x_even=x_even, x_odd=x_odd, x_scale=x_scale, x_sums=x_sums))
+                    x_group_scale = T.sblock_alloc_buffer((a * b, groups), "float32")
+                    x_group_sums = T.sblock_alloc_buffer((a * b, groups), "float32")
+                    k = T.meta_var(
+                        operands._replace(
+                            x_even=x_even,
+                            x_odd=x_odd,
+                            x_scale=x_scale,
+                            x_sums=x_sums,
+                            x_group_scale=x_group_scale,
+                            x_group_sums=x_group_sums,
+                        )
+                    )
                     vector_rows(k, a * b, b)
 
     return qlinear_int8
