@@ -19,7 +19,6 @@ from llmlower.api import compile_artifact
 from llmlower.backends.tvm.compile import tvm_target
 from llmlower.backends.tvm.int8_dot import MADDUBS, VNNI, Int8Dot, int8_dot_product
 from llmlower.backends.tvm.qlinear_amx_bf16 import BF16_MIN_ROWS
-from llmlower.backends.tvm.qlinear_int8 import MADDUBS_FLOAT_ROWS
 from llmlower.backends.tvm.qlinear_kernel import qlinear_kernel
 from llmlower.errors import LlmlowerError
 from llmlower.ir.quant import QuantizedWeight, QuantScheme, quantize
@@ -134,12 +133,11 @@ def _quantized_with_extremes(
 def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
     """One row (decode), five and eleven (tiles of rows and the rest one by one; AVX-512 VNNI without AMX: from
     REGISTER_ROWS, a padded tile in registers), 16 (with AMX: one tile of x, its weights unpacked a window at a time)
-    and 37 (tiles: two of 16 rows and a short one), each row as the
-    reference computes it, and off the float kernel by the rounding of x only; without VNNI, calls of
-    MADDUBS_FLOAT_ROWS rows or more are the float kernel's, bit for bit. Groups of 32 take 576 features: 18 groups,
-    which 64-byte vectors of four 4-bit groups do not divide (the last two take a 32-byte vector, their packed zero
-    points one byte). Groups of 64 take 1152: 18 groups, so that every width sums its vectors' lanes a group at a time
-    in blocks (64-byte vectors of one 8-bit group: a block of 16) and leaves two groups one vector at a time."""
+    and 37 (tiles: two of 16 rows and a short one), each row as the reference computes it, and off the float kernel
+    by the rounding of x only. Groups of 32 take 576 features: 18 groups, which 64-byte vectors of four 4-bit groups
+    do not divide (the last two take a 32-byte vector, their packed zero points one byte). Groups of 64 take 1152: 18
+    groups, so that every width sums its vectors' lanes a group at a time in blocks (64-byte vectors of one 8-bit
+    group: a block of 16) and leaves two groups one vector at a time."""
     scheme, zeros = SCHEMES[quant]
     in_features = {0: 576, 32: 576, 64: 1152}.get(scheme.group, 512)
     rounded = scheme.group or in_features  # the features x is rounded in: per channel, the whole row
@@ -155,9 +153,6 @@ def test_rows_in_int8_are_the_integer_arithmetic(dot, quant):
             x[-1, :rounded] = 0
         got = _run_kernel(dot, x, tensors, scheme.bits, zeros, bias)
         exact = _run_kernel(None, x, tensors, scheme.bits, zeros, bias)  # the float kernel: x not rounded
-        if dot.kind == MADDUBS and rows >= MADDUBS_FLOAT_ROWS[scheme.bits]:
-            np.testing.assert_array_equal(got, exact)
-            continue
         expected = np.stack([_int8_reference(row, weights, zero, q.scales.numpy(), rounded) for row in x]) + bias
         assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
         assert 0 < np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()

@@ -15,19 +15,17 @@ float32, the float kernel was bound by those conversions at both. Where the CPU 
 MIN_ROWS rows or more take qlinear_amx's tiles instead (the same rounded integers); with AVX-512 VNNI but no AMX,
 calls of REGISTER_ROWS rows or more take the same tiles' layout with their 16 x 16 sums in vector registers, each
 weight row's four bytes broadcast against 16 rows of x, so that a group's float work is shared by 16 rows where the
-vector loop's is done once per row; where it has no VNNI, calls of MADDUBS_FLOAT_ROWS rows or more take the float
-kernel's path, whose conversions their rows share."""
+vector loop's is done once per row."""
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from typing import NamedTuple
 
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .int8_dot import MADDUBS, VNNI, Int8Dot, byte_offset, dot_bytes, dot_nibbles
+from .int8_dot import VNNI, Int8Dot, byte_offset, dot_bytes, dot_nibbles
 from .int8_rounding import group_max_macro, inverse_scale
 from .lane_tree import buffer_tree, group_sums, tree
 from .paged_kernels import ATTRS
@@ -46,13 +44,6 @@ STREAM_AHEAD = 4096
 # share the bandwidth: one done early leaves the other more); more threads lose more to a coarse split
 MIN_TASKS = 32
 TILE = 4  # activation rows a weight vector is multiplied with while it is in a register (8 accumulators)
-# Without VNNI a vector of bytes takes pmaddubsw + pmaddwd (8-bit weights: two psignb besides) where float32 takes one
-# FMA per 8 or 16 weights of a row already dequantized: from this many rows of x, which share that dequantization,
-# the float kernel is as fast or faster (SmolLM2's shapes, 2 threads, an AVX2-only EPYC, medians of 40: q4g32 gate/up
-# 4 rows 0.43 ms in int8 against 0.60 in float32, 8 rows 0.79 against 0.84, 16 rows 1.52 against 1.31; per-channel
-# int8 down 8 rows 0.34 against 0.40, 16 rows 0.63-0.66 against 0.64-0.70, 32 rows 1.22 against 1.24, 64 rows 2.45
-# against 2.27)
-MADDUBS_FLOAT_ROWS = {4: 8, 8: 32}
 REGISTER_ROWS = 8  # rows of x from which AVX-512 VNNI without AMX takes tiles of 16 (padded) in registers
 
 
@@ -163,11 +154,9 @@ def int8_kernel(
     bias: bool,
     int8_dot: Int8Dot,
     scale_dtype: str,
-    many_rows: Callable[[], Callable],
 ) -> tirx.PrimFunc:
     """out [a, b, N] = x [a, b, K] @ dequantize(w).T (+ bias) with x rounded to int8 per group; the operands as
-    qlinear_kernel's, whose many-rows float path (built by `many_rows`) takes calls of MADDUBS_FLOAT_ROWS rows or
-    more where the instruction is pmaddubsw."""
+    qlinear_kernel's."""
     groups = in_features // group
     per_group = group * bits // 8  # bytes
     pieces = vector_pieces(per_group, groups, int8_dot.widest)
@@ -207,8 +196,6 @@ def int8_kernel(
     in_bf16 = int8_dot.amx_bf16 and bits == 4 and groups > 1 and in_features % DEPTH == 0 and bf16_task is not None
     if in_bf16:
         pairs_of_row, bf16_weight_rows = bf16_macros(group, in_features, out_features, *operand_reads)
-    in_float = int8_dot.kind == MADDUBS  # calls of MADDUBS_FLOAT_ROWS rows or more
-    float_rows = many_rows() if in_float else None
 
     def rounded_x(k, i, at):  # the rounded x row i has at weight byte `at` (4-bit: both nibbles'), summed
         if bits == 4:
@@ -449,8 +436,6 @@ def int8_kernel(
                     round_to_tiles(k, a * b, b)
                     for task in T.parallel(out_features // TILE_ROWS):
                         tile_weight_rows(k, task, a * b, b)
-            elif in_float and a * b >= MADDUBS_FLOAT_ROWS[bits]:
-                float_rows(x, qweight, scales, zero_buffer, bias_buffer, out, a * b, b)
             else:
                 with T.sblock("vector"):
                     T.reads()

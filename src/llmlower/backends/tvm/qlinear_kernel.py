@@ -75,8 +75,7 @@ def float_rows_macro(
     out_features: int, in_features: int, group: int, bits: int, zeros: str, bias: bool, lanes: int
 ) -> Callable:
     """A macro (x, qweight, scales, zero_buffer, bias_buffer, out, rows, b): the float kernel's path for more than
-    one row of x, each task's ROWS weight rows dequantized to float32 once, then every row's dot products on FMA.
-    The int8 kernel takes it too for calls of many rows where its instruction is pmaddubsw (qlinear_int8)."""
+    one row of x, each task's ROWS weight rows dequantized to float32 once, then every row's dot products on FMA."""
     groups = in_features // group
     steps = group * bits // 8 // lanes  # vector steps per group
     half = group // 2
@@ -144,10 +143,9 @@ def qlinear_kernel(
     a one-element placeholder the kernel never reads. With `int8_dot`, the matmuls that `rounds_activations` takes
     (per-channel ones too: x rounded a row at a time) are qlinear_int8's int8 kernel."""
     groups = in_features // group
-    many_rows = functools.partial(float_rows_macro, out_features, in_features, group, bits, zeros, bias, lanes)
     if rounds_activations(bits, group, int8_dot):
-        return int8_kernel(out_features, in_features, group, bits, zeros, bias, int8_dot, scale_dtype, many_rows)
-    float_rows = many_rows()
+        return int8_kernel(out_features, in_features, group, bits, zeros, bias, int8_dot, scale_dtype)
+    float_rows = float_rows_macro(out_features, in_features, group, bits, zeros, bias, lanes)
     per_group = group * bits // 8  # bytes
     steps = per_group // lanes  # vector steps per group
     half = group // 2
