@@ -17,6 +17,7 @@ import tvm
 
 from llmlower.backends.onnx.lowerings import translations
 from llmlower.backends.tvm.compile import compile_module, tvm_target
+from llmlower.backends.tvm.int8_dot import int8_dot_product
 from llmlower.backends.tvm.lowerings import convert_map
 from llmlower.backends.tvm.relax_import import StepImporter
 from llmlower.errors import CaptureError
@@ -132,9 +133,12 @@ class Scheduled:
             }
 
 
-def _tvm_kernel(op, case: tuple, constants: tuple) -> Callable[[tuple], np.ndarray]:
-    """op(*case, *constants) for any number of tokens, imported by the TVM backend's converters and compiled by its
-    CPU pipeline, as a function of a case; the experts' matmuls must have taken the CPU schedule."""
+def _tvm_kernel(
+    op, case: tuple, constants: tuple, accuracy_level: int = 0, int8_matmuls: int = 0
+) -> Callable[[tuple], np.ndarray]:
+    """op(*case, *constants) for any number of tokens, imported by the TVM backend's converters (at accuracy_level)
+    and compiled by its CPU pipeline, as a function of a case; `int8_matmuls` of the experts' two matmuls must have
+    taken the int8 kernel, the others the CPU schedule."""
     present = [t is not None for t in case]
 
     class Layer(torch.nn.Module):
@@ -147,11 +151,13 @@ def _tvm_kernel(op, case: tuple, constants: tuple) -> Callable[[tuple], np.ndarr
     shapes = tuple({0: tokens} if i < INPUTS else None for i in range(len(given)))
     exported = torch.export.export(Layer(), given, dynamic_shapes=(shapes,)).run_decompositions()
     target = tvm_target("cpu")
-    module = StepImporter(target).from_exported_program(exported, False, True, False, convert_map())
+    module = StepImporter(target, accuracy_level).from_exported_program(exported, False, True, False, convert_map())
+    int8 = [gv.name_hint for gv in module.functions if gv.name_hint.startswith("qlinear_experts")]
+    assert len(int8) == int8_matmuls
     scheduled = Scheduled()
     with tvm.transform.PassContext(instruments=[scheduled]):
         vm = tvm.relax.VirtualMachine(compile_module(module, target), tvm.cpu())
-    assert {"moe_up", "moe_down"} <= scheduled.names  # kernels of their own (not fused), scheduled
+    assert len({"moe_up", "moe_down"} & scheduled.names) == 2 - int8_matmuls  # kernels of their own, scheduled
 
     def run(case: tuple) -> np.ndarray:
         return vm["main"](*[tvm.runtime.tensor(t.numpy()) for t in case if t is not None]).numpy()
@@ -285,6 +291,27 @@ def test_the_tvm_kernel_dequantizes_the_chosen_experts_as_the_reference(name):
     for tokens in TOKEN_COUNTS:
         case, _ = _quantized_case(up, down, biases=True, tokens=tokens, seed=tokens)
         assert _relative_error(kernel(case), _qmoe_reference(case, bits, GPT_OSS_GATE)) < 1e-5
+
+
+def _rounds_x(scheme: QuantScheme, in_features: int) -> bool:
+    """Whether the int8 kernel takes a matmul in this scheme: whole groups of whole 16-byte vectors."""
+    return scheme.group * scheme.bits // 8 % 16 == 0 and in_features % scheme.group == 0
+
+
+@pytest.mark.skipif(int8_dot_product(tvm_target("cpu")) is None, reason="no int8 dot product on this CPU")
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_the_tvm_int8_kernel_takes_each_token_and_chosen_expert(name):
+    """At accuracy_level 4 the experts' matmuls in groups the int8 path rounds take its kernel: each (token, expert)
+    pair against its expert's weight rows, off the reference by the rounding of x only (1-2%); a scheme it does not
+    round keeps the exact dequantizing kernel."""
+    up, down, _ = QUANTIZED[name]
+    int8 = _rounds_x(up, Q_HIDDEN) + _rounds_x(down, Q_INTERMEDIATE)
+    case, bits = _quantized_case(up, down, biases=True)
+    kernel = _tvm_kernel(_qmoe(bits), case, GPT_OSS_GATE, accuracy_level=4, int8_matmuls=int8)
+    for tokens in TOKEN_COUNTS:
+        case, _ = _quantized_case(up, down, biases=True, tokens=tokens, seed=tokens)
+        error = _relative_error(kernel(case), _qmoe_reference(case, bits, GPT_OSS_GATE))
+        assert 1e-4 < error < 5e-2 if int8 else error < 1e-5, error
 
 
 def test_a_decode_step_costs_the_chosen_experts_packed_bytes():

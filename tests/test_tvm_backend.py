@@ -140,12 +140,20 @@ def test_the_silu_mul_kernel_is_silu_of_the_gate_times_up():
 
 
 @pytest.mark.skipif(int8_dot_product(tvm_target("cpu")) is None, reason="no int8 dot product on this CPU")
-@pytest.mark.parametrize(("quant", "scale_dtype"), [("q4g32", None), ("q4mix", None), ("q4g32", "float16")])
-def test_accuracy_level_4_rounds_the_activations(quant, scale_dtype, captures):
-    """Every step's grouped matmuls in int8 (prompts and decode rows): off the reference by the rounding of x, within
-    the tolerance compile --verify gives rounded activations (the backend's, of the largest logit, at least 1);
-    float16 scales read by the int8 kernel too."""
-    program = _paged(captures, "llama", quant=quant, scale_dtype=scale_dtype)
+@pytest.mark.parametrize(
+    ("arch", "quant", "scale_dtype"),
+    [
+        ("llama", "q4g32", None),
+        ("llama", "q4mix", None),
+        ("llama", "q4g32", "float16"),
+        ("mixtral", "q4mix", "float16"),
+    ],
+)
+def test_accuracy_level_4_rounds_the_activations(arch, quant, scale_dtype, captures):
+    """Every step's grouped matmuls in int8 (prompts and decode rows; a MoE layer's chosen experts too): off the
+    reference by the rounding of x, within the tolerance compile --verify gives rounded activations (the backend's,
+    of the largest logit, at least 1); float16 scales read by the int8 kernel too."""
+    program = _paged(captures, arch, quant=quant, scale_dtype=scale_dtype)
     difference = _max_difference(program, accuracy_level=4)
     assert TOLERANCE < difference <= get_backend("tvm").tolerance.rounded_activations
 

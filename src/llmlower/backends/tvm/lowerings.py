@@ -35,7 +35,7 @@ from ...ir import (
 from . import norm_kernel, rope_kernel, silu_mul_kernel
 from .cpu_schedule import dequantize_lanes
 from .paged_kernels import emit_paged_attention, emit_paged_latent_attention
-from .qlinear_kernel import emit_qlinear, nibble_order, takes
+from .qlinear_kernel import emit_qlinear, emit_qlinear_experts, experts_take, nibble_order, takes
 from .recurrent_lowerings import RECURRENT_CONVERTERS
 
 if TYPE_CHECKING:
@@ -333,6 +333,7 @@ def qembedding(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
 
 SWIGLU_DEFAULTS = (1.0, 0.0, 0.0)  # moe_experts' alpha, beta, limit
 ExpertWeight = Callable[..., "tirx.PrimExpr"]  # (expert, row, column) -> the weight there
+ExpertEmitter = Callable[[relax.Expr, relax.Expr], relax.Expr]  # (x, ids) -> x times the chosen experts, [T, top_k, N]
 
 
 @dataclass(frozen=True)
@@ -447,8 +448,8 @@ def _emit_moe(
     x: relax.Expr,
     ids: relax.Expr,
     weights: relax.Expr,
-    up: ExpertMatmul,
-    down: ExpertMatmul,
+    up: ExpertEmitter,
+    down: ExpertEmitter,
     gate: tuple[float, float, float],
 ) -> relax.Var:
     """The chosen experts of each token as four kernels: up matmul, gated activation, down matmul, weighted sum
@@ -456,9 +457,9 @@ def _emit_moe(
     reads the chosen experts' rows only (never a gathered or dequantized copy); each is a single reduction, which
     the CPU schedule runs parallel and vectorized."""
     bb = importer.block_builder
-    gate_up = _emit_expert_matmul(importer, x, ids, up, "moe_up")
+    gate_up = up(x, ids)
     activation = bb.emit_te(_swiglu_te, gate_up, gate, primfunc_name_hint="moe_swiglu")
-    expert_out = _emit_expert_matmul(importer, activation, ids, down, "moe_down")
+    expert_out = down(activation, ids)
     return bb.emit_te(_combine_te, expert_out, weights, x.ty.dtype, primfunc_name_hint="moe_combine")
 
 
@@ -467,20 +468,35 @@ def _gate(args: list) -> tuple[float, float, float]:
     return tuple(float(v) for v in (*args, *SWIGLU_DEFAULTS[len(args) :]))
 
 
+def _in_te(importer: StepImporter, matmul: ExpertMatmul, name: str) -> ExpertEmitter:
+    """The matmul as _emit_expert_matmul's one TE kernel."""
+    return lambda x, ids: _emit_expert_matmul(importer, x, ids, matmul, name)
+
+
 def moe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     x, ids, weights, w_up, b_up, w_down, b_down, *gate = importer.retrieve_args(node)
     up, down = _float_experts(w_up, b_up), _float_experts(w_down, b_down)
-    return _emit_moe(importer, x, ids, weights, up, down, _gate(gate))
+    return _emit_moe(
+        importer, x, ids, weights, _in_te(importer, up, "moe_up"), _in_te(importer, down, "moe_down"), _gate(gate)
+    )
 
 
 def qmoe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
-    """The packed experts, each weight dequantized where its matmul's reduction reads it."""
+    """The packed experts: each matmul on the int8 kernel where the CPU path rounds x (accuracy_level 4), else each
+    weight dequantized where its matmul's reduction reads it."""
     args = importer.retrieve_args(node)
     x, ids, weights, up_q, up_s, up_z, b_up, up_bits, down_q, down_s, down_z, b_down, down_bits, *gate = args
     cpu = importer.target.kind.name == "llvm"
     hidden, intermediate = int(x.ty.shape[-1]), int(up_q.ty.shape[1]) // 2
-    up = _quantized_experts(up_q, up_s, up_z, b_up, up_bits, hidden, cpu, weight_dtype(x, up_s))
-    down = _quantized_experts(down_q, down_s, down_z, b_down, down_bits, intermediate, cpu, weight_dtype(x, down_s))
+
+    def emitter(q, s, z, b, bits, in_features, name) -> ExpertEmitter:  # int8 where the CPU path rounds x
+        if cpu and experts_take(x, q, s, bits, in_features, importer.int8_dot):
+            bb, int8_dot = importer.block_builder, importer.int8_dot
+            return lambda x, ids: emit_qlinear_experts(bb, x, ids, q, s, z, b, bits, in_features, int8_dot)
+        return _in_te(importer, _quantized_experts(q, s, z, b, bits, in_features, cpu, weight_dtype(x, s)), name)
+
+    up = emitter(up_q, up_s, up_z, b_up, up_bits, hidden, "moe_up")
+    down = emitter(down_q, down_s, down_z, b_down, down_bits, intermediate, "moe_down")
     return _emit_moe(importer, x, ids, weights, up, down, _gate(gate))
 
 

@@ -20,6 +20,7 @@ vector loop's is done once per row."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import NamedTuple
 
 from tvm import tirx
@@ -124,6 +125,11 @@ def blocks_and_rest(piece: Piece) -> tuple[int, Piece]:
     return block, piece._replace(first=piece.first + whole * piece.per_vector, count=piece.count - whole)
 
 
+def out_rows(first: tirx.PrimExpr, b: tirx.PrimExpr) -> Callable:
+    """Where rows first, first + 1, ... of a call's x [a, b, K], flattened, go in its out [a, b, N]."""
+    return lambda r: ((first + r) // b, (first + r) % b)
+
+
 class Operands(NamedTuple):
     """The kernel's buffers, passed to its macros as one: the call's, then each path's own."""
 
@@ -154,9 +160,13 @@ def int8_kernel(
     bias: bool,
     int8_dot: Int8Dot,
     scale_dtype: str,
+    experts: int = 0,
+    shared_x: bool = False,
 ) -> tirx.PrimFunc:
     """out [a, b, N] = x [a, b, K] @ dequantize(w).T (+ bias) with x rounded to int8 per group; the operands as
-    qlinear_kernel's."""
+    qlinear_kernel's. With `experts`, a MoE layer's matmul over the router's choices: out [T, top_k, N] =
+    x @ w[ids[t, j]].T (+ bias[ids[t, j]]), the operands with a leading [experts] and x [T, K] (`shared_x`: a token's
+    row for all its experts) or [T * top_k, K] (a row each)."""
     groups = in_features // group
     per_group = group * bits // 8  # bytes
     pieces = vector_pieces(per_group, groups, int8_dot.widest)
@@ -362,7 +372,7 @@ def int8_kernel(
             vectors_of(k, acc, dots, n, first, rows, rest)
 
     @T.macro
-    def rows_of(k, acc, dots, n, first, b, rows):  # out[first .. first + rows, n]
+    def rows_of(k, acc, dots, n, first, rows, out_at, column):  # x rows first .. first + rows against weight row n
         for r in T.unroll(rows):
             acc[r, T.ramp(0, 1, lanes)] = T.broadcast(T.float32(0), lanes)
         # vector_pieces gives a piece a width, so at most three (TVMScript has no loop over Python values)
@@ -371,8 +381,8 @@ def int8_kernel(
             piece_of(k, acc, dots, n, first, rows, pieces[1])
         if len(pieces) > 2:
             piece_of(k, acc, dots, n, first, rows, pieces[2])
-        for r in T.unroll(rows):
-            k.out[(first + r) // b, (first + r) % b, n] = lane_total(k, acc, r, n)
+        for r in T.unroll(rows):  # into out[out_at(r), column]
+            k.out[out_at(r)[0], out_at(r)[1], column] = lane_total(k, acc, r, n)
 
     @T.macro
     def vector_rows(k, rows, b):  # every row on vector instructions
@@ -390,11 +400,15 @@ def int8_kernel(
                 acc = T.sblock_alloc_buffer((TILE, lanes), "float32")
                 dots = T.sblock_alloc_buffer((TILE, lanes), "int32")
                 for t in T.serial(rows // TILE):  # a tile's rounded x stays in cache over the weight rows
+                    out_at = T.meta_var(out_rows(t * TILE, b))
                     for row in T.serial(task_rows):
-                        rows_of(k, acc, dots, task * task_rows + row, t * TILE, b, TILE)
+                        n = T.meta_var(task * task_rows + row)
+                        rows_of(k, acc, dots, n, t * TILE, TILE, out_at, n)
                 for i in T.serial(rows % TILE):  # the rest (decode's one row) one at a time
+                    out_at = T.meta_var(out_rows(rows // TILE * TILE + i, b))
                     for row in T.serial(task_rows):
-                        rows_of(k, acc, dots, task * task_rows + row, rows // TILE * TILE + i, b, 1)
+                        n = T.meta_var(task * task_rows + row)
+                        rows_of(k, acc, dots, n, rows // TILE * TILE + i, 1, out_at, n)
 
     @T.prim_func(s_tir=True, private=True)
     def qlinear_int8(x_h: T.handle, w_h: T.handle, s_h: T.handle, z_h: T.handle, b_h: T.handle, out_h: T.handle):
@@ -458,4 +472,70 @@ def int8_kernel(
                     )
                     vector_rows(k, a * b, b)
 
-    return qlinear_int8
+    if not experts:
+        return qlinear_int8
+    expert_zeros = zero_shape if zeros == "none" else (experts, *zero_shape)
+    tasks = out_features // task_rows  # per (token, expert) pair
+
+    @T.prim_func(s_tir=True, private=True)
+    def qlinear_int8_experts(
+        x_h: T.handle, ids_h: T.handle, w_h: T.handle, s_h: T.handle, z_h: T.handle, b_h: T.handle, out_h: T.handle
+    ):
+        T.func_attr(ATTRS)
+        x_rows, tokens, top_k = T.int64(), T.int64(), T.int64()
+        x = T.match_buffer(x_h, (x_rows, in_features), "float32")
+        ids = T.match_buffer(ids_h, (tokens, top_k), "int64")
+        qweight = T.match_buffer(w_h, (experts, out_features, groups, per_group), "uint8")
+        expert_scales = T.match_buffer(s_h, (experts, out_features, groups), scale_dtype)
+        expert_zero_buffer = T.match_buffer(z_h, expert_zeros, zero_dtype)
+        expert_bias = T.match_buffer(b_h, (experts, out_features) if bias else (1,), "float32")
+        out = T.match_buffer(out_h, (tokens, top_k, out_features), "float32")
+        # an expert's weight row n is row expert * N + n of the experts' rows laid end to end
+        rows_of_x = T.decl_buffer((x_rows, 1, in_features), "float32", data=x.data)
+        weight = T.decl_buffer((experts * out_features, groups * per_group), "uint8", data=qweight.data)
+        scales = T.decl_buffer((experts * out_features, groups), scale_dtype, data=expert_scales.data)
+        flat_zeros = zero_shape if zeros == "none" else (experts * out_features, zero_shape[-1])
+        zero_buffer = T.decl_buffer(flat_zeros, zero_dtype, data=expert_zero_buffer.data)
+        bias_buffer = T.decl_buffer((experts * out_features if bias else 1,), "float32", data=expert_bias.data)
+        with T.sblock("root"):
+            T.reads()
+            T.writes()
+            x_even = T.sblock_alloc_buffer((x_rows, in_features // 2 if bits == 4 else in_features), "int8")
+            x_odd = T.sblock_alloc_buffer((x_rows, in_features // 2), "int8")
+            x_scale = T.sblock_alloc_buffer((x_rows, groups * group_lanes), "float32")
+            x_sums = T.sblock_alloc_buffer((x_rows, groups * group_lanes), "float32")
+            x_group_scale = T.sblock_alloc_buffer((x_rows, groups), "float32")
+            x_group_sums = T.sblock_alloc_buffer((x_rows, groups), "float32")
+            k = T.meta_var(
+                Operands(
+                    rows_of_x,
+                    weight,
+                    scales,
+                    zero_buffer,
+                    bias_buffer,
+                    out,
+                    x_even,
+                    x_odd,
+                    x_scale,
+                    x_sums,
+                    x_group_scale=x_group_scale,
+                    x_group_sums=x_group_sums,
+                )
+            )
+            for i in T.parallel(x_rows):
+                round_row(k, i, 1)
+            for task in T.parallel(tokens * top_k * tasks):
+                with T.sblock("expert_rows"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((TILE, lanes), "float32")
+                    dots = T.sblock_alloc_buffer((TILE, lanes), "int32")
+                    pair = T.meta_var(task // tasks)
+                    expert = T.meta_var(ids[pair // top_k, pair % top_k])
+                    out_at = T.meta_var(out_rows(pair, top_k))
+                    for row in T.serial(task_rows):
+                        n = T.meta_var(task % tasks * task_rows + row)
+                        x_row = T.meta_var(pair // top_k if shared_x else pair)
+                        rows_of(k, acc, dots, expert * out_features + n, x_row, 1, out_at, n)
+
+    return qlinear_int8_experts

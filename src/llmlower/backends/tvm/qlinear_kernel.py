@@ -252,3 +252,64 @@ def emit_qlinear(
         )
     )
     return out if len(lead) == 2 else bb.emit(relax.op.reshape(out, [*lead, out_features]))
+
+
+@functools.cache
+def _experts_kernel(*options) -> tirx.PrimFunc:
+    """int8_kernel's MoE form, one per shape and scheme (see emit_qlinear_experts)."""
+    *dense, experts, shared_x = options
+    return int8_kernel(*dense, experts=experts, shared_x=shared_x)
+
+
+def experts_take(
+    x: relax.Expr, qweight: relax.Expr, scales: relax.Expr, bits: int, in_features: int, int8_dot: Int8Dot | None
+) -> bool:
+    """Whether a MoE layer's matmul of x by these packed experts takes the int8 kernel: float32 x, float32 or float16
+    scales, whole groups that the int8 path rounds."""
+    group = int(qweight.ty.shape[-1]) * 8 // bits
+    return (
+        x.ty.dtype == "float32"
+        and scales.ty.dtype in ("float32", "float16")
+        and in_features % group == 0
+        and rounds_activations(bits, group, int8_dot)
+    )
+
+
+def emit_qlinear_experts(
+    bb: relax.BlockBuilder,
+    x: relax.Expr,
+    ids: relax.Expr,
+    qweight: relax.Expr,
+    scales: relax.Expr,
+    zeros: relax.Expr | None,
+    bias: relax.Expr | None,
+    bits: int,
+    in_features: int,
+    int8_dot: Int8Dot,
+) -> relax.Expr:
+    """x times the router's chosen experts (+ bias) through the int8 kernel: x [T, K] (up: a token's row for each of
+    its experts) or [T, top_k, K] (down: a row each) -> [T, top_k, N] float32. Each expert's packed weights
+    [E, N, groups, bytes] are read at the pair's expert only."""
+    experts, out_features, _, per_group = (int(d) for d in qweight.ty.shape)
+    zero_kind = "none" if zeros is None else "nibbles" if zeros.ty.dtype == "uint8" else "float"
+    shared_x = len(x.ty.shape) == 2
+    kernel = _experts_kernel(
+        out_features,
+        in_features,
+        per_group * 8 // bits,
+        bits,
+        zero_kind,
+        bias is not None,
+        int8_dot,
+        scales.ty.dtype,
+        experts,
+        shared_x,
+    )
+    placeholder = relax.const(np.zeros(1, "float32"))
+    rows = x if shared_x else bb.emit(relax.op.reshape(x, [-1, in_features]))
+    ids = ids if ids.ty.dtype == "int64" else bb.emit(relax.op.astype(ids, "int64"))
+    args = [rows, ids, qweight, scales, zeros if zeros is not None else placeholder]
+    args.append(bb.emit(relax.op.astype(bias, "float32")) if bias is not None else placeholder)
+    tokens, top_k = ids.ty.shape
+    out_type = relax.TensorType([tokens, top_k, out_features], "float32")
+    return bb.emit(relax.call_tir(bb.add_func(kernel, "qlinear_experts"), args, out_type))
