@@ -130,6 +130,34 @@ def out_rows(first: tirx.PrimExpr, b: tirx.PrimExpr) -> Callable:
     return lambda r: ((first + r) // b, (first + r) % b)
 
 
+def sorted_out_rows(order: tirx.Buffer, first: tirx.PrimExpr, top_k: tirx.PrimExpr) -> Callable:
+    """Where the pairs at order[first], order[first + 1], ... go in a MoE matmul's out [T, top_k, N]."""
+    return lambda r: (order[first + r] // top_k, order[first + r] % top_k)
+
+
+@T.macro
+def sort_pairs(ids, pairs, top_k, chosen, starts, order, active, count):  # noqa: ANN001 (TIR buffers)
+    """The (token, expert) pairs of ids [T, top_k] by expert (a counting sort, stable): order, each expert's start and
+    count of pairs, and the experts chosen (active[:count[0]])."""
+    experts = T.meta_var(chosen.shape[0])
+    for e in T.serial(experts):
+        chosen[e] = 0
+    for p in T.serial(pairs):
+        chosen[ids[p // top_k, p % top_k]] += 1
+    starts[0] = 0
+    count[0] = 0
+    for e in T.serial(experts):
+        starts[e + 1] = starts[e] + chosen[e]
+        if chosen[e] > 0:
+            active[count[0]] = e
+            count[0] += 1
+        chosen[e] = 0
+    for p in T.serial(pairs):
+        e = T.meta_var(ids[p // top_k, p % top_k])
+        order[starts[e] + chosen[e]] = T.Cast("int32", p)
+        chosen[e] += 1
+
+
 class Operands(NamedTuple):
     """The kernel's buffers, passed to its macros as one: the call's, then each path's own."""
 
@@ -491,7 +519,6 @@ def int8_kernel(
         expert_bias = T.match_buffer(b_h, (experts, out_features) if bias else (1,), "float32")
         out = T.match_buffer(out_h, (tokens, top_k, out_features), "float32")
         # an expert's weight row n is row expert * N + n of the experts' rows laid end to end
-        rows_of_x = T.decl_buffer((x_rows, 1, in_features), "float32", data=x.data)
         weight = T.decl_buffer((experts * out_features, groups * per_group), "uint8", data=qweight.data)
         scales = T.decl_buffer((experts * out_features, groups), scale_dtype, data=expert_scales.data)
         flat_zeros = zero_shape if zeros == "none" else (experts * out_features, zero_shape[-1])
@@ -500,15 +527,23 @@ def int8_kernel(
         with T.sblock("root"):
             T.reads()
             T.writes()
-            x_even = T.sblock_alloc_buffer((x_rows, in_features // 2 if bits == 4 else in_features), "int8")
-            x_odd = T.sblock_alloc_buffer((x_rows, in_features // 2), "int8")
-            x_scale = T.sblock_alloc_buffer((x_rows, groups * group_lanes), "float32")
-            x_sums = T.sblock_alloc_buffer((x_rows, groups * group_lanes), "float32")
-            x_group_scale = T.sblock_alloc_buffer((x_rows, groups), "float32")
-            x_group_sums = T.sblock_alloc_buffer((x_rows, groups), "float32")
+            pairs = T.meta_var(tokens * top_k)
+            chosen = T.sblock_alloc_buffer((experts,), "int32")  # pairs that chose each expert
+            starts = T.sblock_alloc_buffer((experts + 1,), "int32")  # each expert's first pair in `order`
+            order = T.sblock_alloc_buffer((pairs,), "int32")  # the pairs by expert, each expert's in token order
+            active = T.sblock_alloc_buffer((experts,), "int32")  # the experts chosen, then how many
+            count = T.sblock_alloc_buffer((1,), "int32")
+            sort_pairs(ids, pairs, top_k, chosen, starts, order, active, count)
+            x_sorted = T.sblock_alloc_buffer((pairs, 1, in_features), "float32")  # x's rows in `order`
+            x_even = T.sblock_alloc_buffer((pairs, in_features // 2 if bits == 4 else in_features), "int8")
+            x_odd = T.sblock_alloc_buffer((pairs, in_features // 2), "int8")
+            x_scale = T.sblock_alloc_buffer((pairs, groups * group_lanes), "float32")
+            x_sums = T.sblock_alloc_buffer((pairs, groups * group_lanes), "float32")
+            x_group_scale = T.sblock_alloc_buffer((pairs, groups), "float32")
+            x_group_sums = T.sblock_alloc_buffer((pairs, groups), "float32")
             k = T.meta_var(
                 Operands(
-                    rows_of_x,
+                    x_sorted,
                     weight,
                     scales,
                     zero_buffer,
@@ -522,20 +557,28 @@ def int8_kernel(
                     x_group_sums=x_group_sums,
                 )
             )
-            for i in T.parallel(x_rows):
-                round_row(k, i, 1)
-            for task in T.parallel(tokens * top_k * tasks):
+            for q in T.parallel(pairs):
+                for f in T.vectorized(in_features):
+                    x_sorted[q, 0, f] = x[order[q] // top_k if shared_x else order[q], f]
+                round_row(k, q, 1)
+            for task in T.parallel(count[0] * tasks):  # an expert's rows split between the threads
                 with T.sblock("expert_rows"):
                     T.reads()
                     T.writes()
                     acc = T.sblock_alloc_buffer((TILE, lanes), "float32")
                     dots = T.sblock_alloc_buffer((TILE, lanes), "int32")
-                    pair = T.meta_var(task // tasks)
-                    expert = T.meta_var(ids[pair // top_k, pair % top_k])
-                    out_at = T.meta_var(out_rows(pair, top_k))
-                    for row in T.serial(task_rows):
-                        n = T.meta_var(task % tasks * task_rows + row)
-                        x_row = T.meta_var(pair // top_k if shared_x else pair)
-                        rows_of(k, acc, dots, expert * out_features + n, x_row, 1, out_at, n)
+                    expert = T.meta_var(active[task // tasks])
+                    first = T.meta_var(starts[expert])
+                    for t in T.serial(chosen[expert] // TILE):  # TILE of its pairs read each weight vector once
+                        out_at = T.meta_var(sorted_out_rows(order, first + t * TILE, top_k))
+                        for row in T.serial(task_rows):
+                            n = T.meta_var(task % tasks * task_rows + row)
+                            rows_of(k, acc, dots, expert * out_features + n, first + t * TILE, TILE, out_at, n)
+                    for i in T.serial(chosen[expert] % TILE):
+                        at = T.meta_var(first + chosen[expert] // TILE * TILE + i)
+                        out_at = T.meta_var(sorted_out_rows(order, at, top_k))
+                        for row in T.serial(task_rows):
+                            n = T.meta_var(task % tasks * task_rows + row)
+                            rows_of(k, acc, dots, expert * out_features + n, at, 1, out_at, n)
 
     return qlinear_int8_experts
