@@ -58,7 +58,6 @@ from speed import (
 
 from llmlower.frontend import capture, example_checkpoint, load
 from llmlower.frontend.example import cache_dir
-from llmlower.ir.program import Program
 from llmlower.passes import build_pipeline, run_pipeline
 from llmlower.recipes import RECIPES
 from llmlower.roofline import Ceilings, decode_read_bytes, machine_ceilings
@@ -252,10 +251,10 @@ def genai_model(checkpoint: Path, directory: Path) -> Path:
     return target
 
 
-def float_read_bytes(program: Program, context: int, dtype: str) -> int:
-    """Bytes per decoded token of the checkpoint run unquantized in `dtype` (vLLM's CPU row): what the float32
-    program reads (weights and KV cache by the roofline cost model, the chosen experts only) at that width."""
-    return decode_read_bytes(program, context) * (2 if dtype == "bfloat16" else 4) // 4
+def float_read_bytes(float32_bytes: int, dtype: str) -> int:
+    """Bytes per decoded token of the checkpoint run unquantized in `dtype` (vLLM's CPU row), from what the float32
+    program reads (decode_read_bytes: weights and KV cache by the roofline cost model, the chosen experts only)."""
+    return float32_bytes * (2 if dtype == "bfloat16" else 4) // 4
 
 
 def machine(ceilings: Ceilings) -> str:
@@ -388,6 +387,10 @@ def main() -> None:
         ensure_artifact(str(checkpoint), backend, options, directory, kv_cache_dtype=kv, compile_options=built_for)
     loaded = load(checkpoint)
     captured = capture(loaded)
+    spec, parameters = loaded.spec, sum(p.numel() for p in loaded.module.parameters())
+    artifact_reads = {row: artifact_read_bytes(captured, build[-1], read_context) for row, build in builds.items()}
+    float32_reads = decode_read_bytes(captured, read_context)
+    del loaded, captured  # the float model: a MoE one's 7 GB beside the engines ran a 24 GB VM out of memory
     dense = not getattr(config, "num_experts", None)
     rows: dict[str, dict] = {}
     reads: dict[str, int | None] = {}
@@ -415,15 +418,15 @@ def main() -> None:
         runs = [offline_throughput(many, offline) for _ in range(args.repeats)]
         row[OFFLINE] = statistics.median(runs)
         del many
-        rows[name], reads[name] = row, artifact_read_bytes(captured, directory, read_context)
+        rows[name], reads[name] = row, artifact_reads[name]
     for name, gguf in ggufs.items():
         print(f"[shaped] {name}: batch 1", file=sys.stderr)
         rows[name] = peer("llamacpp", gguf, prompts, args.new_tokens, args.repeats, args.threads)
-        reads[name] = llamacpp_read_bytes(gguf, loaded.spec, read_context) if dense else None
+        reads[name] = llamacpp_read_bytes(gguf, spec, read_context) if dense else None
     if genai is not None:
         print("[shaped] ONNX Runtime GenAI int4: batch 1", file=sys.stderr)
         rows["ONNX Runtime GenAI int4"] = peer("ortgenai", genai, prompts, args.new_tokens, args.repeats, args.threads)
-        reads["ONNX Runtime GenAI int4"] = ortgenai_read_bytes(genai, loaded.spec, read_context) if dense else None
+        reads["ONNX Runtime GenAI int4"] = ortgenai_read_bytes(genai, spec, read_context) if dense else None
     vllm_runs = {"": None} if args.vllm else {}
     if args.vllm_without_amx:
         vllm_runs[" without AMX"] = without_amx_environment()
@@ -433,14 +436,14 @@ def main() -> None:
             "vllm_offline", checkpoint, prompts, args.new_tokens, args.repeats, args.threads, "vllm", environment
         )
         name = f"vLLM CPU {row['dtype']}{suffix}"
-        rows[name], reads[name] = row, float_read_bytes(captured, read_context, row["dtype"])
+        rows[name], reads[name] = row, float_read_bytes(float32_reads, row["dtype"])
     for name, row in rows.items():
         if reads[name]:
             row.update(bandwidth_roof(row["decode_tokens_per_s"], reads[name], ceilings.bandwidth))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {
         "shape": args.shape,
-        "parameters": sum(p.numel() for p in loaded.module.parameters()),
+        "parameters": parameters,
         "machine": machine(ceilings),
         "date": datetime.date.today().isoformat(),
         "commit": commit,
