@@ -219,6 +219,21 @@ def qlinear_kernel(
     return qlinear
 
 
+def _zero_kind(zeros: relax.Expr | None) -> str:
+    """The kernels' `zeros` argument for this zero-point operand."""
+    return "none" if zeros is None else "nibbles" if zeros.ty.dtype == "uint8" else "float"
+
+
+def _weight_operands(
+    bb: relax.BlockBuilder, scales: relax.Expr, zeros: relax.Expr | None, bias: relax.Expr | None
+) -> list[relax.Expr]:
+    """The kernels' scales, zero-point and bias operands: absent ones a placeholder they never read, the bias in
+    float32."""
+    placeholder = relax.const(np.zeros(1, "float32"))
+    bias = bb.emit(relax.op.astype(bias, "float32")) if bias is not None else placeholder
+    return [scales, zeros if zeros is not None else placeholder, bias]
+
+
 def emit_qlinear(
     bb: relax.BlockBuilder,
     x: relax.Expr,
@@ -235,15 +250,13 @@ def emit_qlinear(
     K], or the LM head's [sequences, 1, K]); other ranks are reshaped to [1, rows, K] and back."""
     out_features = int(qweight.ty.shape[0])
     group = int(qweight.ty.shape[2]) * 8 // bits
-    zero_kind = "none" if zeros is None else "nibbles" if zeros.ty.dtype == "uint8" else "float"
-    placeholder = relax.const(np.zeros(1, "float32"))
+    zero_kind = _zero_kind(zeros)
     kernel = qlinear_kernel(
         out_features, in_features, group, bits, zero_kind, bias is not None, lanes, int8_dot, scales.ty.dtype
     )
     *lead, _ = x.ty.shape
     rows = x if len(lead) == 2 else bb.emit(relax.op.reshape(x, [1, -1, in_features]))
-    args = [rows, qweight, scales, zeros if zeros is not None else placeholder]
-    args.append(bb.emit(relax.op.astype(bias, "float32")) if bias is not None else placeholder)
+    args = [rows, qweight, *_weight_operands(bb, scales, zeros, bias)]
     out = bb.emit(
         relax.call_tir(
             bb.add_func(kernel, "qlinear_groups"),
@@ -291,25 +304,12 @@ def emit_qlinear_experts(
     its experts) or [T, top_k, K] (down: a row each) -> [T, top_k, N] float32. Each expert's packed weights
     [E, N, groups, bytes] are read at the pair's expert only."""
     experts, out_features, _, per_group = (int(d) for d in qweight.ty.shape)
-    zero_kind = "none" if zeros is None else "nibbles" if zeros.ty.dtype == "uint8" else "float"
     shared_x = len(x.ty.shape) == 2
-    kernel = _experts_kernel(
-        out_features,
-        in_features,
-        per_group * 8 // bits,
-        bits,
-        zero_kind,
-        bias is not None,
-        int8_dot,
-        scales.ty.dtype,
-        experts,
-        shared_x,
-    )
-    placeholder = relax.const(np.zeros(1, "float32"))
+    scheme = (out_features, in_features, per_group * 8 // bits, bits, _zero_kind(zeros), bias is not None)
+    kernel = _experts_kernel(*scheme, int8_dot, scales.ty.dtype, experts, shared_x)
     rows = x if shared_x else bb.emit(relax.op.reshape(x, [-1, in_features]))
     ids = ids if ids.ty.dtype == "int64" else bb.emit(relax.op.astype(ids, "int64"))
-    args = [rows, ids, qweight, scales, zeros if zeros is not None else placeholder]
-    args.append(bb.emit(relax.op.astype(bias, "float32")) if bias is not None else placeholder)
+    args = [rows, ids, qweight, *_weight_operands(bb, scales, zeros, bias)]
     tokens, top_k = ids.ty.shape
     out_type = relax.TensorType([tokens, top_k, out_features], "float32")
     return bb.emit(relax.call_tir(bb.add_func(kernel, "qlinear_experts"), args, out_type))
