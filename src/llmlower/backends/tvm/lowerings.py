@@ -37,6 +37,7 @@ from .cpu_schedule import dequantize_lanes
 from .paged_kernels import emit_paged_attention, emit_paged_latent_attention
 from .qlinear_kernel import emit_qlinear, emit_qlinear_experts, experts_take, nibble_order, takes
 from .recurrent_lowerings import RECURRENT_CONVERTERS
+from .swiglu import Gate, swiglu
 
 if TYPE_CHECKING:
     from .relax_import import StepImporter
@@ -331,7 +332,7 @@ def qembedding(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     return importer.block_builder.emit_te(compute, *tensors, primfunc_name_hint="dequantize_take")
 
 
-SWIGLU_DEFAULTS = (1.0, 0.0, 0.0)  # moe_experts' alpha, beta, limit
+SWIGLU_DEFAULTS: Gate = (1.0, 0.0, 0.0)  # moe_experts' alpha, beta, limit
 ExpertWeight = Callable[..., "tirx.PrimExpr"]  # (expert, row, column) -> the weight there
 ExpertEmitter = Callable[[relax.Expr, relax.Expr], relax.Expr]  # (x, ids) -> x times the chosen experts, [T, top_k, N]
 
@@ -399,19 +400,14 @@ def _expert_matmul_te(
     return te.compute(out.shape, lambda t, j, n: out[t, j, n] + bias[ids[t, j], n].astype("float32"), name="bias_add")
 
 
-def _swiglu_te(gate_up: te.Tensor, gate: tuple[float, float, float]) -> te.Tensor:
-    """gate * sigmoid(alpha * gate) * (up + beta) of interleaved gate/up rows [T, top_k, 2I] -> [T, top_k, I], both
-    clamped to `limit` first where it is > 0 (gpt-oss)."""
+def _swiglu_te(gate_up: te.Tensor, gate: Gate) -> te.Tensor:
+    """swiglu.swiglu of interleaved gate/up rows [T, top_k, 2I] -> [T, top_k, I]."""
     tokens, top_k, rows = gate_up.shape
-    alpha, beta, limit = gate
-
-    def gated(t, j, i):
-        gate, value = gate_up[t, j, 2 * i], gate_up[t, j, 2 * i + 1]
-        if limit > 0:
-            gate, value = tirx.min(gate, limit), tirx.max(tirx.min(value, limit), -limit)
-        return gate * tirx.sigmoid(gate * alpha) * (value + beta)
-
-    return te.compute((tokens, top_k, rows // 2), gated, name="swiglu")
+    return te.compute(
+        (tokens, top_k, rows // 2),
+        lambda t, j, i: swiglu(gate_up[t, j, 2 * i], gate_up[t, j, 2 * i + 1], gate),
+        name="swiglu",
+    )
 
 
 def _combine_te(expert_out: te.Tensor, weights: te.Tensor, dtype: str) -> te.Tensor:
@@ -450,35 +446,39 @@ def _emit_moe(
     weights: relax.Expr,
     up: ExpertEmitter,
     down: ExpertEmitter,
-    gate: tuple[float, float, float],
 ) -> relax.Var:
-    """The chosen experts of each token as four kernels: up matmul, gated activation, down matmul, weighted sum
-    over the top-k. The matmuls read the expert weights at the router's ids inside their reduction, so a step
-    reads the chosen experts' rows only (never a gathered or dequantized copy); each is a single reduction, which
-    the CPU schedule runs parallel and vectorized."""
-    bb = importer.block_builder
-    gate_up = up(x, ids)
-    activation = bb.emit_te(_swiglu_te, gate_up, gate, primfunc_name_hint="moe_swiglu")
-    expert_out = down(activation, ids)
-    return bb.emit_te(_combine_te, expert_out, weights, x.ty.dtype, primfunc_name_hint="moe_combine")
+    """The chosen experts of each token: up matmul, down matmul (which applies the gated activation to the up
+    matmul's output), weighted sum over the top-k. The matmuls read the expert weights at the router's ids, so a
+    step reads the chosen experts' rows only (never a gathered or dequantized copy)."""
+    expert_out = down(up(x, ids), ids)
+    return importer.block_builder.emit_te(
+        _combine_te, expert_out, weights, x.ty.dtype, primfunc_name_hint="moe_combine"
+    )
 
 
-def _gate(args: list) -> tuple[float, float, float]:
+def _gate(args: list) -> Gate:
     """alpha, beta, limit from the op's trailing arguments (the export leaves default arguments out)."""
     return tuple(float(v) for v in (*args, *SWIGLU_DEFAULTS[len(args) :]))
 
 
-def _in_te(importer: StepImporter, matmul: ExpertMatmul, name: str) -> ExpertEmitter:
-    """The matmul as _emit_expert_matmul's one TE kernel."""
-    return lambda x, ids: _emit_expert_matmul(importer, x, ids, matmul, name)
+def _in_te(importer: StepImporter, matmul: ExpertMatmul, name: str, gate: Gate | None = None) -> ExpertEmitter:
+    """The matmul as _emit_expert_matmul's one TE kernel, after the gated activation as a kernel of its own where
+    `gate` is given (down)."""
+    bb = importer.block_builder
+
+    def emit(x: relax.Expr, ids: relax.Expr) -> relax.Expr:
+        if gate is not None:
+            x = bb.emit_te(_swiglu_te, x, gate, primfunc_name_hint="moe_swiglu")
+        return _emit_expert_matmul(importer, x, ids, matmul, name)
+
+    return emit
 
 
 def moe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     x, ids, weights, w_up, b_up, w_down, b_down, *gate = importer.retrieve_args(node)
     up, down = _float_experts(w_up, b_up), _float_experts(w_down, b_down)
-    return _emit_moe(
-        importer, x, ids, weights, _in_te(importer, up, "moe_up"), _in_te(importer, down, "moe_down"), _gate(gate)
-    )
+    up_emitter, down_emitter = _in_te(importer, up, "moe_up"), _in_te(importer, down, "moe_down", _gate(gate))
+    return _emit_moe(importer, x, ids, weights, up_emitter, down_emitter)
 
 
 def qmoe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
@@ -489,15 +489,16 @@ def qmoe_experts(node: torch.fx.Node, importer: StepImporter) -> relax.Expr:
     cpu = importer.target.kind.name == "llvm"
     hidden, intermediate = int(x.ty.shape[-1]), int(up_q.ty.shape[1]) // 2
 
-    def emitter(q, s, z, b, bits, in_features, name) -> ExpertEmitter:  # int8 where the CPU path rounds x
+    def emitter(q, s, z, b, bits, in_features, name, gated=None) -> ExpertEmitter:  # int8 where the CPU rounds x
         if cpu and experts_take(x, q, s, bits, in_features, importer.int8_dot):
             bb, int8_dot = importer.block_builder, importer.int8_dot
-            return lambda x, ids: emit_qlinear_experts(bb, x, ids, q, s, z, b, bits, in_features, int8_dot)
-        return _in_te(importer, _quantized_experts(q, s, z, b, bits, in_features, cpu, weight_dtype(x, s)), name)
+            return lambda x, ids: emit_qlinear_experts(bb, x, ids, q, s, z, b, bits, in_features, int8_dot, gated)
+        matmul = _quantized_experts(q, s, z, b, bits, in_features, cpu, weight_dtype(x, s))
+        return _in_te(importer, matmul, name, gated)
 
     up = emitter(up_q, up_s, up_z, b_up, up_bits, hidden, "moe_up")
-    down = emitter(down_q, down_s, down_z, b_down, down_bits, intermediate, "moe_down")
-    return _emit_moe(importer, x, ids, weights, up, down, _gate(gate))
+    down = emitter(down_q, down_s, down_z, b_down, down_bits, intermediate, "moe_down", _gate(gate))
+    return _emit_moe(importer, x, ids, weights, up, down)
 
 
 def _matmul_float32(importer: StepImporter, a: relax.Expr, b: relax.Expr) -> relax.Expr:

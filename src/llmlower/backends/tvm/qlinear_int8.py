@@ -33,6 +33,7 @@ from .paged_kernels import ATTRS
 from .prefetch import prefetch
 from .qlinear_amx import MIN_ROWS, TILE_ROWS, amx_macros, amx_shape, tiles_granted, tiles_of
 from .qlinear_amx_bf16 import BF16_MIN_ROWS, DEPTH, bf16_macros, bf16_task_rows, x_tile_pairs
+from .swiglu import Gate, swiglu
 
 # bytes: each weight vector's load prefetches into L2 the line this far ahead in the weight rows (the next page:
 # the hardware prefetchers stop at each 4 KiB page and learn the next one again). Llama-1B's shape, batch-1 decode,
@@ -190,11 +191,13 @@ def int8_kernel(
     scale_dtype: str,
     experts: int = 0,
     shared_x: bool = False,
+    gate: Gate | None = None,
 ) -> tirx.PrimFunc:
     """out [a, b, N] = x [a, b, K] @ dequantize(w).T (+ bias) with x rounded to int8 per group; the operands as
     qlinear_kernel's. With `experts`, a MoE layer's matmul over the router's choices: out [T, top_k, N] =
     x @ w[ids[t, j]].T (+ bias[ids[t, j]]), the operands with a leading [experts] and x [T, K] (`shared_x`: a token's
-    row for all its experts) or [T * top_k, K] (a row each)."""
+    row for all its experts) or [T * top_k, K] (a row each; with `gate`, [T * top_k, 2K] of interleaved gate/up
+    pairs, each turned into one feature by swiglu.swiglu as the rows are gathered)."""
     groups = in_features // group
     per_group = group * bits // 8  # bytes
     pieces = vector_pieces(per_group, groups, int8_dot.widest)
@@ -503,6 +506,13 @@ def int8_kernel(
     if not experts:
         return qlinear_int8
     expert_zeros = zero_shape if zeros == "none" else (experts, *zero_shape)
+    x_width = in_features if gate is None else 2 * in_features  # gate/up pairs
+
+    def gathered(x, pair, top_k, f):  # feature f of the pair's row of x
+        if gate is not None:
+            return swiglu(x[pair, 2 * f], x[pair, 2 * f + 1], gate)
+        return x[pair // top_k if shared_x else pair, f]
+
     tasks = out_features // task_rows  # per (token, expert) pair
 
     @T.prim_func(s_tir=True, private=True)
@@ -511,7 +521,7 @@ def int8_kernel(
     ):
         T.func_attr(ATTRS)
         x_rows, tokens, top_k = T.int64(), T.int64(), T.int64()
-        x = T.match_buffer(x_h, (x_rows, in_features), "float32")
+        x = T.match_buffer(x_h, (x_rows, x_width), "float32")
         ids = T.match_buffer(ids_h, (tokens, top_k), "int64")
         qweight = T.match_buffer(w_h, (experts, out_features, groups, per_group), "uint8")
         expert_scales = T.match_buffer(s_h, (experts, out_features, groups), scale_dtype)
@@ -559,7 +569,7 @@ def int8_kernel(
             )
             for q in T.parallel(pairs):
                 for f in T.vectorized(in_features):
-                    x_sorted[q, 0, f] = x[order[q] // top_k if shared_x else order[q], f]
+                    x_sorted[q, 0, f] = gathered(x, order[q], top_k, f)
                 round_row(k, q, 1)
             for task in T.parallel(count[0] * tasks):  # an expert's rows split between the threads
                 with T.sblock("expert_rows"):

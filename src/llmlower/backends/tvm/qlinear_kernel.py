@@ -26,6 +26,7 @@ from .int8_dot import Int8Dot
 from .lane_tree import buffer_tree
 from .paged_kernels import ATTRS
 from .qlinear_int8 import int8_kernel, rounds_activations, zero_layout, zero_point
+from .swiglu import Gate
 
 ROWS = 8  # weight rows per task; several activation rows run their dot products side by side (8 accumulators)
 # one activation row: weight rows whose dot products run side by side (2 x 4 accumulators: partial sums and
@@ -270,8 +271,8 @@ def emit_qlinear(
 @functools.cache
 def _experts_kernel(*options) -> tirx.PrimFunc:
     """int8_kernel's MoE form, one per shape and scheme (see emit_qlinear_experts)."""
-    *dense, experts, shared_x = options
-    return int8_kernel(*dense, experts=experts, shared_x=shared_x)
+    *dense, experts, shared_x, gate = options
+    return int8_kernel(*dense, experts=experts, shared_x=shared_x, gate=gate)
 
 
 def experts_take(
@@ -299,15 +300,17 @@ def emit_qlinear_experts(
     bits: int,
     in_features: int,
     int8_dot: Int8Dot,
+    gate: Gate | None = None,
 ) -> relax.Expr:
     """x times the router's chosen experts (+ bias) through the int8 kernel: x [T, K] (up: a token's row for each of
-    its experts) or [T, top_k, K] (down: a row each) -> [T, top_k, N] float32. Each expert's packed weights
-    [E, N, groups, bytes] are read at the pair's expert only."""
+    its experts) or [T, top_k, K] (down: a row each; with `gate`, the up matmul's interleaved gate/up rows
+    [T, top_k, 2K], which the kernel turns into K features by swiglu.swiglu) -> [T, top_k, N] float32. Each
+    expert's packed weights [E, N, groups, bytes] are read at the pair's expert only."""
     experts, out_features, _, per_group = (int(d) for d in qweight.ty.shape)
     shared_x = len(x.ty.shape) == 2
     scheme = (out_features, in_features, per_group * 8 // bits, bits, _zero_kind(zeros), bias is not None)
-    kernel = _experts_kernel(*scheme, int8_dot, scales.ty.dtype, experts, shared_x)
-    rows = x if shared_x else bb.emit(relax.op.reshape(x, [-1, in_features]))
+    kernel = _experts_kernel(*scheme, int8_dot, scales.ty.dtype, experts, shared_x, gate)
+    rows = x if shared_x else bb.emit(relax.op.reshape(x, [-1, int(x.ty.shape[-1])]))
     ids = ids if ids.ty.dtype == "int64" else bb.emit(relax.op.astype(ids, "int64"))
     args = [rows, ids, qweight, *_weight_operands(bb, scales, zeros, bias)]
     tokens, top_k = ids.ty.shape
