@@ -271,6 +271,10 @@ def int8_kernel(
         nibbles = (repeated >> shifts) & T.broadcast(T.int32(15), piece.lanes)
         return T.Cast(f"float32x{piece.lanes}", nibbles)
 
+    def less_offset(points, lanes):  # zero points less what the dots take from each byte (vectors of `lanes` int32)
+        offset = byte_offset(int8_dot.kind, lanes * 4) if bits == 8 else 0
+        return points - T.broadcast(T.float32(offset), lanes) if offset else points
+
     def zero_lanes(k, n, g, piece):  # the zero points of the vector's groups from g, over their lanes, less the offset
         if zeros == "none":  # the dots take from each weight byte
             points = T.broadcast(zero_point(zeros, bits, k.zeros, n, 0), piece.lanes)
@@ -280,8 +284,7 @@ def int8_kernel(
             points = nibble_lanes(k, n, g, piece)
         else:
             points = T.broadcast(zero_point(zeros, bits, k.zeros, n, g), piece.lanes)
-        offset = byte_offset(int8_dot.kind, piece.width) if bits == 8 else 0  # what the dots take from each byte
-        return points - T.broadcast(T.float32(offset), piece.lanes) if offset else points
+        return less_offset(points, piece.lanes)
 
     def lane_total(k, acc, r, n):  # row r's lanes summed, plus the bias
         return buffer_tree(operator.add, acc, (r,), lanes) + (k.bias[n] if bias else T.float32(0))
@@ -359,10 +362,9 @@ def int8_kernel(
             points = T.Cast(f"float32x{count}", nibbles)
         else:
             points = T.broadcast(zero_point(zeros, bits, k.zeros, n, 0), count)
-        offset = byte_offset(int8_dot.kind, count * 4) if bits == 8 else 0
-        return points - T.broadcast(T.float32(offset), count) if offset else points
+        return less_offset(points, count)
 
-    def block_dots(k, i, n, piece, first_vector, block):  # int32, one lane a group: a block's vectors against x row i
+    def block_dots(k, i, n, piece, first_vector, block):  # a block's vectors against x row i, one float lane a group
         sums = []
         for v in range(block):
             dots = T.broadcast(T.int32(0), piece.lanes)
@@ -513,7 +515,7 @@ def int8_kernel(
             return swiglu(x[pair, 2 * f], x[pair, 2 * f + 1], gate)
         return x[pair // top_k if shared_x else pair, f]
 
-    tasks = out_features // task_rows  # per (token, expert) pair
+    tasks = out_features // task_rows  # per chosen expert, its weight rows split
 
     @T.prim_func(s_tir=True, private=True)
     def qlinear_int8_experts(

@@ -268,11 +268,7 @@ def emit_qlinear(
     return out if len(lead) == 2 else bb.emit(relax.op.reshape(out, [*lead, out_features]))
 
 
-@functools.cache
-def _experts_kernel(*options) -> tirx.PrimFunc:
-    """int8_kernel's MoE form, one per shape and scheme (see emit_qlinear_experts)."""
-    *dense, experts, shared_x, gate = options
-    return int8_kernel(*dense, experts=experts, shared_x=shared_x, gate=gate)
+_experts_kernel = functools.cache(int8_kernel)  # its MoE form, one per shape and scheme (emit_qlinear_experts)
 
 
 def experts_take(
@@ -309,7 +305,7 @@ def emit_qlinear_experts(
     experts, out_features, _, per_group = (int(d) for d in qweight.ty.shape)
     shared_x = len(x.ty.shape) == 2
     scheme = (out_features, in_features, per_group * 8 // bits, bits, _zero_kind(zeros), bias is not None)
-    kernel = _experts_kernel(*scheme, int8_dot, scales.ty.dtype, experts, shared_x, gate)
+    kernel = _experts_kernel(*scheme, int8_dot, scales.ty.dtype, experts=experts, shared_x=shared_x, gate=gate)
     rows = x if shared_x else bb.emit(relax.op.reshape(x, [-1, int(x.ty.shape[-1])]))
     ids = ids if ids.ty.dtype == "int64" else bb.emit(relax.op.astype(ids, "int64"))
     args = [rows, ids, qweight, *_weight_operands(bb, scales, zeros, bias)]
