@@ -10,10 +10,15 @@ from pathlib import Path
 
 from llmlower.locks import locked
 
-# name -> (tiny architecture, changes to its config, `llmlower compile` flags)
-ARTIFACTS: dict[str, tuple[str, dict[str, object], tuple[str, ...]]] = {
+DATA = Path(__file__).parent.parent / "data"
+TOOL_MARKERS = ["<tool_call>", "</tool_call>"]  # tokens of their own, as in tokenizers of models with such templates
+
+# name -> (tiny architecture, changes to its config, `llmlower compile` flags, a chat template in tests/data or None)
+ARTIFACTS: dict[str, tuple[str, dict[str, object], tuple[str, ...], str | None]] = {
     # room for 1,024 positions: long enough that a served request outlives its client's disconnect
-    "long-llama-onnx": ("llama", {"max_position_embeddings": 1024}, ("--recipe", "exact")),
+    "long-llama-onnx": ("llama", {"max_position_embeddings": 1024}, ("--recipe", "exact"), None),
+    # a template that presents tools and writes calls in <tool_call> tags (each tag a token of the vocabulary)
+    "tools-llama-onnx": ("llama", {"max_position_embeddings": 2048}, ("--recipe", "exact"), "hermes_tools.jinja"),
 }
 
 
@@ -31,13 +36,21 @@ def build_once(entry: Path, build: Callable[[Path], object]) -> Path:
 
 def prepare(root: Path, name: str) -> Path:
     """root/name: ARTIFACTS[name]'s tiny checkpoint written and compiled, unless already there."""
-    arch, config, flags = ARTIFACTS[name]
+    arch, config, flags, template = ARTIFACTS[name]
 
     def build(out: Path) -> None:
-        from llmlower.cli import main
-        from llmlower.testing import write_tiny_checkpoint
+        import tokenizers
 
-        checkpoint = write_tiny_checkpoint(arch, root / ".checkpoints" / name, **config)
+        from llmlower.cli import main
+        from llmlower.testing import VOCAB, write_tiny_checkpoint
+
+        markers = {"vocab_size": VOCAB + len(TOOL_MARKERS)} if template is not None else {}
+        checkpoint = write_tiny_checkpoint(arch, root / ".checkpoints" / name, **config, **markers)
+        if template is not None:
+            (checkpoint / "chat_template.jinja").write_text((DATA / template).read_text())
+            tokenizer = tokenizers.Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+            tokenizer.add_tokens(TOOL_MARKERS)
+            tokenizer.save(str(checkpoint / "tokenizer.json"))
         assert main(["compile", str(checkpoint), "-o", str(out), *flags]) == 0
 
     return build_once(root / name, build)

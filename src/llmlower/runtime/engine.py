@@ -14,9 +14,10 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -161,9 +162,12 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
 
-    def prompt_token_ids(self, prompt: Prompt, chat: bool = True) -> list[int]:
-        """Token ids of a prompt: a string through the chat template (unless chat=False), or a conversation."""
-        return self.intake.prompt_token_ids(prompt, chat)
+    def prompt_token_ids(
+        self, prompt: Prompt, chat: bool = True, template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """Token ids of a prompt: a string through the chat template (unless chat=False), or a conversation;
+        `template_kwargs`: variables for the template (tools, enable_thinking, ...)."""
+        return self.intake.prompt_token_ids(prompt, chat, template_kwargs)
 
     def compile_grammar(self, output: StructuredOutput) -> None:
         """Compile a structured output now, from any thread (a server's worker), so that adding a request that asks

@@ -8,7 +8,8 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..errors import GenerationError
 from ..spec import ModelSpec
@@ -40,10 +41,13 @@ class RequestIntake:
         self._grammars: GrammarCompiler | None = None  # built for the first request with structured output
         self._grammars_built = threading.Lock()
 
-    def prompt_token_ids(self, prompt: Prompt, chat: bool = True) -> list[int]:
-        """Token ids of a prompt: a string through the chat template (unless chat=False), or a conversation."""
+    def prompt_token_ids(
+        self, prompt: Prompt, chat: bool = True, template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """Token ids of a prompt: a string through the chat template (unless chat=False), or a conversation;
+        `template_kwargs`: variables for the template (tools, enable_thinking, ...)."""
         if isinstance(prompt, list):
-            text = self.tokenizer.apply_chat_template(prompt)
+            text = self.tokenizer.apply_chat_template(prompt, **(template_kwargs or {}))
             return self.tokenizer.encode(text, add_special_tokens=False)
         if chat:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -130,6 +134,7 @@ class RequestIntake:
             stop_token_ids=stop_ids,
             max_tokens=params.max_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
         )
 
 

@@ -112,6 +112,7 @@ class SamplingParams:
     top_logprobs: int = 0  # >= 0: also report this many most likely tokens (needs logprobs)
     n: int = 1  # >= 1 completions of the prompt
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # special tokens left out of the text (tool-call markers may be special)
     structured_output: StructuredOutput | None = None  # a JSON schema, any JSON object, a regex or a grammar
 
     def __post_init__(self) -> None:
@@ -135,6 +136,7 @@ class SamplingParams:
             "top_logprobs": _check_int("top_logprobs", self.top_logprobs, 0),
             "n": _check_int("n", self.n, 1),
             "include_stop_str_in_output": _check_bool("include_stop_str_in_output", self.include_stop_str_in_output),
+            "skip_special_tokens": _check_bool("skip_special_tokens", self.skip_special_tokens),
             "structured_output": _check_structured_output(self.structured_output),
         }
         if checked["min_tokens"] > checked["max_tokens"]:

@@ -19,6 +19,7 @@ import tokenizers
 
 from ..errors import CheckpointError, GenerationError, LlmlowerError
 from .artifact import ArtifactError, is_artifact, read_manifest
+from .tool_calls import GENERIC, ToolFormat, find_format
 
 Message = dict[str, Any]
 
@@ -97,6 +98,29 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def added_tokens(self, special_only: bool = False) -> dict[str, int]:
+        """The tokens added to the vocabulary (markers such as `<|im_start|>` or `<tool_call>`) by text; special
+        ones only where asked (decoding skips those unless told not to)."""
+        added = self._tokenizer.get_added_tokens_decoder().items()
+        return {token.content: i for i, token in added if token.special or not special_only}
+
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls, read from its chat template (GENERIC where the template does not
+        present tools or write calls as a name and JSON arguments)."""
+        if not self.chat_template:
+            return GENERIC
+        probe = [{"type": "function", "function": {"name": "tool_probe_q", "parameters": {"type": "object"}}}]
+        question = [{"role": "user", "content": "question"}]
+        try:
+            presents_tools = "tool_probe_q" in self.apply_chat_template(question, tools=probe)
+        except GenerationError:
+            return GENERIC
+        special = list(self.added_tokens(special_only=True))
+        render = lambda messages: self.apply_chat_template(messages, add_generation_prompt=False)  # noqa: E731
+        found = find_format(render, special)
+        return found if presents_tools and found is not None else GENERIC
 
     def special_tokens(self) -> dict[str, str]:
         """bos_token, eos_token, ... as strings (tokenizer_config.json may store them as objects)."""

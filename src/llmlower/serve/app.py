@@ -1,5 +1,5 @@
 """The OpenAI-compatible FastAPI app around an AsyncEngine: /v1/models, /v1/completions, /v1/chat/completions
-(whole or as server-sent events), /health and /metrics.
+(whole or as server-sent events, with tool calls), /tokenize and /detokenize, /health and /metrics.
 
 Every request is checked before the engine sees it (API key, body size, the model's name, field types, sampling
 values, the context), and refused in OpenAI's error envelope. The engine's one thread serves all requests in one
@@ -37,7 +37,8 @@ from .errors import APIError
 from .limits import LimitExceeded, RequestLimits
 from .metrics import Metrics
 from .responses import Formatter, sse, usage
-from .schemas import ChatRequest, CompletionRequest
+from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .tools import ChatPrompt, chat_prompt
 
 
 @dataclass(frozen=True)
@@ -159,10 +160,46 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         card = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "llmlower"}
         return {"object": "list", "data": [{**card, "max_model_len": max_context}]}
 
+    def named(model: str | None) -> None:
+        """404 for a request naming another model."""
+        if model is not None and model != config.model_name:
+            raise APIError(404, f"the model `{model}` does not exist", "model", "model_not_found")
+
+    @app.post("/tokenize", dependencies=[Depends(admitted)])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """A prompt's or a chat's token ids, as the completions or chat endpoint would give them to the model."""
+        named(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt", "invalid_value")
+        try:
+            if body.messages is not None:
+                chat = ChatRequest(model=config.model_name, messages=body.messages, tools=body.tools)
+                chat.chat_template_kwargs = body.chat_template_kwargs
+                prompt = chat_prompt(chat, tokenizer)
+                text = tokenizer.apply_chat_template(prompt.messages, **prompt.template_kwargs)
+                ids = await asyncio.to_thread(tokenizer.encode, text, False)
+            else:
+                ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
+        except GenerationError as error:
+            raise APIError(400, str(error), "messages", "invalid_value") from None
+        reply: dict[str, Any] = {"count": len(ids), "max_model_len": max_context, "tokens": ids}
+        if body.return_token_strs:
+            reply["token_strs"] = [tokenizer.decode([token], skip_special_tokens=False) for token in ids]
+        return reply
+
+    @app.post("/detokenize", dependencies=[Depends(admitted)])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        """Token ids' text (special tokens kept)."""
+        named(body.model)
+        bad = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            message = f"tokens: {bad} is not a token id (the vocabulary has {tokenizer.vocab_size})"
+            raise APIError(400, message, "tokens", "invalid_value")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}
+
     def check(body: CompletionRequest | ChatRequest) -> None:
         """The model's name and the server's limits, before anything is tokenized."""
-        if body.model != config.model_name:
-            raise APIError(404, f"the model `{body.model}` does not exist", "model", "model_not_found")
+        named(body.model)
         try:
             config.limits.check(body, top_logprobs(body), grammar_source(body))
         except LimitExceeded as error:
@@ -176,27 +213,28 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         async def tokenized() -> list[list[int]]:
             return [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
 
-        return await admitted_request(body, request, len(prompts), tokenized, chat=False)
+        return await admitted_request(body, request, len(prompts), tokenized, chat=None)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(admitted)])
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check(body)
-        conversation = [m.for_template() for m in body.messages]
+        prompt = chat_prompt(body, tokenizer)
 
         async def tokenized() -> list[list[int]]:
             try:
-                return [await asyncio.to_thread(engine.engine.prompt_token_ids, conversation)]
+                ids = engine.engine.prompt_token_ids
+                return [await asyncio.to_thread(ids, prompt.messages, True, prompt.template_kwargs)]
             except GenerationError as error:
                 raise APIError(400, str(error), "messages", "invalid_value") from None
 
-        return await admitted_request(body, request, 1, tokenized, chat=True)
+        return await admitted_request(body, request, 1, tokenized, chat=prompt)
 
     async def admitted_request(
         body: ChatRequest | CompletionRequest,
         request: Request,
         prompts: int,
         tokenized: Callable[[], Awaitable[list[list[int]]]],
-        chat: bool,
+        chat: ChatPrompt | None,
     ) -> Response:
         """Hold the request's sequences (429 when the queue is full) before its prompts are tokenized; they are let
         go when it is answered, or at once if anything fails before its answer starts."""
@@ -211,13 +249,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         body: ChatRequest | CompletionRequest,
         request: Request,
         ids: list[list[int]],
-        chat: bool,
+        chat: ChatPrompt | None,
         release: Callable[[], None],
     ) -> Response:
-        """Check the prompts against the context, submit them, and answer whole or as a stream."""
+        """Check the prompts against the context, submit them, and answer whole or as a stream (`chat`: a chat's
+        prompt, None for completions)."""
         field = "messages" if chat else "prompt"
         longest = max(len(p) for p in ids)
-        params = await checked_params(body, max(1, max_context - longest) if chat else COMPLETIONS_MAX_TOKENS)
+        params = await checked_params(body, max(1, max_context - longest) if chat else COMPLETIONS_MAX_TOKENS, chat)
         asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
         if longest + (asked or 1) > max_context:  # without max_tokens, generation stops at the context
             what = f"{longest} prompt tokens" + (f" + max_tokens {asked}" if asked else "")
@@ -231,7 +270,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             message = str(error)
             refusal = structured_error(error, body) or APIError(400, message, _param(error, field), "invalid_value")
             raise refusal from None
-        formatter = Formatter(tokenizer, config.model_name, chat, params.n)
+        formatter = Formatter(tokenizer, config.model_name, chat is not None, params.n, chat and chat.format)
         timer = deadline(stream, release)
         if body.stream:
             with_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -249,13 +288,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             timer.cancel()
             release()
 
-    async def checked_params(body: ChatRequest | CompletionRequest, max_tokens: int) -> SamplingParams:
-        """The request's SamplingParams, built in a worker thread: a structured output is translated and checked
-        by llguidance there, not on the event loop, within the engine's grammar time limit."""
+    async def checked_params(
+        body: ChatRequest | CompletionRequest, max_tokens: int, chat: ChatPrompt | None
+    ) -> SamplingParams:
+        """The request's SamplingParams, built in a worker thread: a structured output (or a tool grammar) is
+        translated and checked by llguidance there, not on the event loop, within the engine's grammar time limit."""
         try:
-            return await asyncio.wait_for(asyncio.to_thread(sampling_params, body, max_tokens), engine.grammar_seconds)
+            built = asyncio.to_thread(sampling_params, body, max_tokens, chat)
+            return await asyncio.wait_for(built, engine.grammar_seconds)
         except TimeoutError:
-            field = (grammar_source(body) or ("structured_outputs", None))[0]
+            field = "tools" if chat and chat.grammar else (grammar_source(body) or ("structured_outputs", None))[0]
             message = f"{field}: took longer than {engine.grammar_seconds:g} s to check"
             raise APIError(400, message, field, "invalid_value") from None
 

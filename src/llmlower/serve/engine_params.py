@@ -10,13 +10,16 @@ from ..runtime import SamplingParams
 from ..runtime.structured import StructuredOutput
 from .errors import APIError
 from .schemas import ChatRequest, CompletionRequest, SamplingFields
+from .tools import ChatPrompt
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def sampling_params(request: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
-    """The engine's SamplingParams for a request (max_tokens: the endpoint's default); a bad value is a 400
-    naming its field."""
+def sampling_params(
+    request: CompletionRequest | ChatRequest, max_tokens: int, chat: ChatPrompt | None = None
+) -> SamplingParams:
+    """The engine's SamplingParams for a request (max_tokens: the endpoint's default; `chat`: a chat's prompt,
+    whose tools bring their grammar); a bad value is a 400 naming its field."""
     unsupported = request.unsupported()
     if unsupported:
         raise APIError(400, f"{unsupported[0]} is not supported by this server", unsupported[0], "unsupported")
@@ -47,7 +50,8 @@ def sampling_params(request: CompletionRequest | ChatRequest, max_tokens: int) -
         "logprobs": logprobs,
         "top_logprobs": top,
         "include_stop_str_in_output": request.include_stop_str_in_output,
-        "structured_output": structured_output(request),
+        "skip_special_tokens": request.skip_special_tokens and not (chat is not None and chat.keep_special),
+        "structured_output": chat.structured_output() if chat and chat.grammar else structured_output(request),
     }
     try:
         return SamplingParams(**fields)
@@ -107,9 +111,10 @@ def structured_error(error: GenerationError, request: SamplingFields) -> APIErro
     """An engine error about a request's structured output (its field structured_output or structured_output.json,
     which its message starts with) as a 400 naming the request's own field; None for any other error."""
     asked = _structured(request)
-    if asked is None or not (error.field or "").startswith("structured_output"):
+    if not (error.field or "").startswith("structured_output"):
         return None
-    return APIError(400, asked[1] + str(error)[len(error.field) :], asked[1], "invalid_value")
+    name = asked[1] if asked is not None else "tools" if getattr(request, "tools", None) else None
+    return None if name is None else APIError(400, name + str(error)[len(error.field) :], name, "invalid_value")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

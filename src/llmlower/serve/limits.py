@@ -32,7 +32,8 @@ class RequestLimits:
     max_stop_token_ids: int = _limit(256, "stop_token_ids per request")
     max_logit_bias: int = _limit(300, "logit_bias entries per request")
     max_top_logprobs: int = _limit(20, "top_logprobs (chat) or logprobs (completions) per token")
-    max_grammar_bytes: int = _limit(64 << 10, "bytes of a request's JSON schema, regex or grammar")
+    max_grammar_bytes: int = _limit(64 << 10, "bytes of a request's JSON schema, regex, grammar or tools")
+    max_tools: int = _limit(64, "tools one chat request may offer")
 
     def check(self, request: Any, top_logprobs: int, grammar: tuple[str, Any] | None) -> None:
         """LimitExceeded for the first field of `request` over its limit; `top_logprobs` is the request's count
@@ -48,6 +49,11 @@ class RequestLimits:
         if grammar is not None:
             text = grammar[1] if isinstance(grammar[1], str) else json.dumps(grammar[1])
             _at_most(grammar[0], len(text.encode()), self.max_grammar_bytes, "bytes")
+        tools = getattr(request, "tools", None)
+        if isinstance(tools, list):  # their schemas become a grammar
+            _at_most("tools", len(tools), self.max_tools, "tools")
+            described = json.dumps(tools, default=lambda tool: tool.model_dump())
+            _at_most("tools", len(described.encode()), self.max_grammar_bytes, "bytes")
 
 
 def _at_most(param: str, value: int, limit: int, what: str) -> None:

@@ -5,8 +5,9 @@ Requests are validated strictly (a string where a number belongs is an error, no
 are OpenAI's plus vLLM's extras (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens,
 include_stop_str_in_output), with OpenAI's defaults (temperature 1, completions stop after 16 tokens, chat
 completions at the end of the context). Structured output comes as OpenAI's response_format (text, json_object,
-json_schema) or vLLM's structured_outputs (json, json_object, regex, grammar). Fields of features this server does
-not have (tools, suffix, echo, best_of) are refused rather than ignored.
+json_schema) or vLLM's structured_outputs (json, json_object, regex, grammar). Chats take OpenAI's tools, tool_choice
+and parallel_tool_calls, and history with tool calls and results. Fields of features this server does not have
+(functions, suffix, echo, best_of) are refused rather than ignored.
 """
 
 from __future__ import annotations
@@ -77,9 +78,10 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
-    # features this server does not have: refused when set
+    # features this server does not have (or not on this endpoint): refused when set
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -113,24 +115,104 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """One message of a conversation."""
+class FunctionCall(BaseModel):
+    """A past call's function: its name and its arguments as JSON text (OpenAI's shape)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A tool call an assistant message made."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation: an assistant's may carry tool_calls, a tool's answers one by tool_call_id."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def for_template(self) -> dict[str, str]:
-        """The message as chat templates take it: text content, and `developer` as the system role it replaces."""
-        text = "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content
-        return {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
+    @property
+    def text(self) -> str:
+        """The content as one text."""
+        return "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content or ""
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: its name, what it does, and its arguments' JSON schema."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """One of a request's tools (OpenAI has functions only)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the one function to call."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(SamplingFields):
-    """A /v1/chat/completions request: a conversation, rendered by the model's chat template."""
+    """A /v1/chat/completions request: a conversation, rendered by the model's chat template, with the tools the
+    model may call; chat_template_kwargs are further variables for the template (enable_thinking, ...)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None  # type: ignore[assignment]
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # type: ignore[assignment]
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        return [name for name in ("functions", "function_call") if getattr(self, name) is not None]
+
+
+class TokenizeRequest(BaseModel):
+    """A /tokenize request: a prompt (add_special_tokens as for completions) or a chat (with its tools and template
+    variables, rendered with the generation prompt as for chat completions)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """A /detokenize request: token ids to text."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    tokens: list[int]
