@@ -207,3 +207,31 @@ def test_bad_tools_are_refused_naming_the_field(server, fields, param):
         )
     assert raised.value.body["param"] == param
     assert _client(server).chat.completions.create(model=MODEL, messages=ASK, max_tokens=2).choices
+
+
+def test_reasoning_comes_apart_from_the_answer(server):
+    """The template thinks in <think> tags: a reply held by a grammar to think then answer comes back with
+    reasoning_content and content apart (whole and streamed alike), without the reasoning when include_reasoning is
+    false; enable_thinking false reaches the template (its generation prompt closes the block)."""
+    client = _client(server)
+    thought = {"grammar": 'start: "<think>" /[a-z]{2,8}( [a-z]{2,8}){1,3}/ "</think>" "\\n\\n" /[a-z]{2,8}/'}
+    ask = {"model": MODEL, "messages": ASK, "max_tokens": 80, "temperature": 0}
+    message = client.chat.completions.create(**ask, extra_body={"structured_outputs": thought}).choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert " " in reasoning and "<think>" not in reasoning and message.content.isalpha()
+    pieces = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(**ask, stream=True, extra_body={"structured_outputs": thought}):
+        for field in pieces:
+            pieces[field] += (chunk.choices[0].delta.model_extra or {}).get(field) or ""
+        pieces["content"] += chunk.choices[0].delta.content or ""
+    assert pieces == {"reasoning_content": reasoning, "content": message.content}
+    dropped = (
+        client.chat.completions.create(**ask, extra_body={"structured_outputs": thought, "include_reasoning": False})
+        .choices[0]
+        .message
+    )
+    assert "reasoning_content" not in (dropped.model_extra or {}) and dropped.content == message.content
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}, "return_token_strs": True}
+    rendered = "".join(httpx.post(f"{server}/tokenize", json=body, headers=headers).json()["token_strs"])
+    assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import GenerationError
+from .markers import held_back
 from .tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
@@ -91,13 +92,7 @@ class TextStream:
 
     def _held(self) -> int:
         """Length of the longest end of the text that is a proper prefix of some stop string (it may still match)."""
-        held = 0
-        for s in self.stop_strings:
-            for k in range(min(len(s) - 1, len(self._text)), held, -1):
-                if self._text.endswith(s[:k]):
-                    held = k
-                    break
-        return held
+        return held_back(self._text, self.stop_strings)
 
     def _push(self, new_text: str, end: tuple[str, str | int | None] | None = None) -> StreamDelta:
         """Append text; finish at the earliest stop string or at `end`, else emit what can no longer start a stop."""

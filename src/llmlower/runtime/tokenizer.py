@@ -19,6 +19,7 @@ import tokenizers
 
 from ..errors import CheckpointError, GenerationError, LlmlowerError
 from .artifact import ArtifactError, is_artifact, read_manifest
+from .reasoning import ReasoningFormat, find_reasoning
 from .tool_calls import GENERIC, ToolFormat, find_format
 
 Message = dict[str, Any]
@@ -121,6 +122,18 @@ class Tokenizer:
         render = lambda messages: self.apply_chat_template(messages, add_generation_prompt=False)  # noqa: E731
         found = find_format(render, special)
         return found if presents_tools and found is not None else GENERIC
+
+    @cached_property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """The markers this model's template writes around reasoning (`<think>`, `</think>`), if any."""
+        return find_reasoning(self.chat_template)
+
+    def generation_prompt(self, **extra: Any) -> str:
+        """The text the template adds to open the assistant's turn (with the template variables `extra`)."""
+        question = [{"role": "user", "content": "question"}]
+        opened = self.apply_chat_template(question, add_generation_prompt=True, **extra)
+        closed = self.apply_chat_template(question, add_generation_prompt=False, **extra)
+        return opened[len(closed) :] if opened.startswith(closed) else opened
 
     def special_tokens(self) -> dict[str, str]:
         """bos_token, eos_token, ... as strings (tokenizer_config.json may store them as objects)."""

@@ -17,6 +17,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .markers import held_back
+
 Message = dict[str, Any]
 
 NAME, SECOND_NAME = "fn_probe_q", "fn_probe_z"
@@ -237,7 +239,7 @@ class ToolCallParser:
             trigger = self.format.trigger
             at = self._buffer.find(trigger)
             if at < 0:
-                cut = len(self._buffer) - _partial_suffix(self._buffer, trigger)
+                cut = len(self._buffer) - held_back(self._buffer, [trigger])
                 content, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return content
             content, self._buffer, self._state = self._buffer[:at], self._buffer[at + len(trigger) :], "head"
@@ -286,14 +288,6 @@ class ToolCallParser:
     def complete_calls(self) -> list[ToolCall]:
         """The calls whose arguments are complete JSON."""
         return [call for call in self.calls if call.done and call.name is not None]
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that begins `marker` (held back: the marker may be arriving)."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def json_object_end(text: str) -> int | None:

@@ -270,7 +270,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             message = str(error)
             refusal = structured_error(error, body) or APIError(400, message, _param(error, field), "invalid_value")
             raise refusal from None
-        formatter = Formatter(tokenizer, config.model_name, chat is not None, params.n, chat and chat.format)
+        formatter = Formatter(tokenizer, config.model_name, params.n, chat)
         timer = deadline(stream, release)
         if body.stream:
             with_usage = bool(body.stream_options and body.stream_options.include_usage)

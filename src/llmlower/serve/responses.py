@@ -1,5 +1,5 @@
 """The engine's results as OpenAI's responses: whole completions and chat completions, their stream chunks
-(server-sent events), logprobs, usage, and replies split into content and tool calls."""
+(server-sent events), logprobs, usage, and chat replies split into reasoning, content and tool calls."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import uuid
 from typing import Any
 
 from ..runtime import GenerationDelta, GenerationResult, Tokenizer, TokenLogprob
-from ..runtime.tool_calls import ToolCallParser, ToolFormat
+from ..runtime.reasoning import ReasoningParser
+from ..runtime.tool_calls import ToolCall, ToolCallParser
+from .tools import ChatPrompt
 
 
 def new_id(prefix: str) -> str:
@@ -31,15 +33,15 @@ def usage(results: list[GenerationResult]) -> dict[str, Any]:
 
 
 class Formatter:
-    """Builds one request's response objects (whole, or chunk by chunk) in its endpoint's format; chat replies
-    are parsed for calls in `tool_format` where the request offered tools."""
+    """Builds one request's response objects (whole, or chunk by chunk) in its endpoint's format; a chat's replies
+    are split into reasoning, content and tool calls where its `prompt` has reasoning markers or offers tools."""
 
-    def __init__(self, tokenizer: Tokenizer, model: str, chat: bool, n: int, tool_format: ToolFormat | None = None):
-        self.tokenizer, self.model, self.chat, self.n = tokenizer, model, chat, n
-        self.id = new_id("chatcmpl" if chat else "cmpl")
+    def __init__(self, tokenizer: Tokenizer, model: str, n: int, prompt: ChatPrompt | None = None) -> None:
+        self.tokenizer, self.model, self.chat, self.n = tokenizer, model, prompt is not None, n
+        self.id = new_id("chatcmpl" if self.chat else "cmpl")
         self.created = int(time.time())
-        self.tool_format = tool_format
-        self._replies: dict[int, ReplyParser] = {}  # choice -> its reply so far (a stream with tools)
+        self.prompt = prompt if prompt is not None and (prompt.format or prompt.reasoning) else None
+        self._replies: dict[int, ReplyParser] = {}  # choice -> its reply so far (a stream that is split)
 
     def _token(self, token_id: int) -> str:
         """One token's text, special tokens included."""
@@ -82,8 +84,8 @@ class Formatter:
             logprobs = self.logprobs(result.logprobs) if result.logprobs is not None else None
             choice: dict[str, Any] = {"index": self.index(result.request, result.index)}
             finish_reason = result.finish_reason
-            if self.tool_format is not None:
-                choice["message"], finish_reason = ReplyParser(self.tool_format).message(result.text, finish_reason)
+            if self.prompt is not None:
+                choice["message"], finish_reason = ReplyParser(self.prompt).message(result.text, finish_reason)
             elif self.chat:
                 choice["message"] = {"role": "assistant", "content": result.text}
             else:
@@ -108,8 +110,8 @@ class Formatter:
         logprobs = self.logprobs([delta.logprob], offset) if delta.logprob is not None else None
         index = self.index(delta.request, delta.index)
         finish_reason = delta.finish_reason
-        if self.tool_format is not None:
-            reply = self._replies.setdefault(index, ReplyParser(self.tool_format))
+        if self.prompt is not None:
+            reply = self._replies.setdefault(index, ReplyParser(self.prompt))
             message, finish_reason = reply.delta(delta.text, finish_reason)
             body: dict[str, Any] = {"delta": message}
         else:
@@ -118,19 +120,38 @@ class Formatter:
 
 
 class ReplyParser:
-    """One choice's reply split into content and tool calls: as stream deltas, or whole."""
+    """One choice's reply split into reasoning, content and tool calls, as the request's prompt says to: as stream
+    deltas, or whole."""
 
-    def __init__(self, format: ToolFormat) -> None:
-        self.parser = ToolCallParser(format)
+    def __init__(self, prompt: ChatPrompt) -> None:
+        self.prompt = prompt
+        self.reasoning = ReasoningParser(prompt.reasoning, prompt.reasoning_inside) if prompt.reasoning else None
+        self.tools = ToolCallParser(prompt.format) if prompt.format is not None else None
         self.ids: list[str] = []  # the calls announced so far
         self.sent: list[int] = []  # characters of each call's arguments sent
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        """The next (reasoning, content) of the reply; content holds no call text."""
+        reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
+        if final and self.reasoning:
+            held = self.reasoning.finish()
+            reasoning, content = reasoning + held[0], content + held[1]
+        if self.tools is not None:
+            content = self.tools.feed(content) + (self.tools.finish() if final else "")
+        return (reasoning if self.prompt.include_reasoning else ""), content
+
+    def _calls(self, complete: bool = False) -> list[ToolCall]:
+        """The calls parsed so far (`complete`: those whose arguments are complete)."""
+        if self.tools is None:
+            return []
+        return self.tools.complete_calls if complete else self.tools.calls
 
     def delta(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A stream chunk's delta for the reply's next text, and its finish_reason ("tool_calls" where it ended
         with calls)."""
-        content = self.parser.feed(text) + (self.parser.finish() if finish_reason is not None else "")
+        reasoning, content = self._split(text, finish_reason is not None)
         calls = []
-        for index, call in enumerate(self.parser.calls):
+        for index, call in enumerate(self._calls()):
             if call.name is None:
                 continue
             entry: dict[str, Any] = {"index": index}
@@ -144,21 +165,25 @@ class ReplyParser:
                 entry.setdefault("function", {})["arguments"] = fresh
             if len(entry) > 1:
                 calls.append(entry)
-        delta: dict[str, Any] = {"content": content} if content or not calls else {}
+        delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+        if content or not (calls or reasoning):
+            delta["content"] = content
         return ({**delta, "tool_calls": calls} if calls else delta), self._finish_reason(finish_reason)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """The whole reply as an assistant message (content, tool_calls), and its finish_reason."""
-        content = self.parser.feed(text) + self.parser.finish()
+        """The whole reply as an assistant message (reasoning_content, content, tool_calls), and its finish_reason."""
+        reasoning, content = self._split(text, final=True)
         calls = [
             {"id": new_id("call"), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-            for call in self.parser.complete_calls
+            for call in self._calls(complete=True)
         ]
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if self.reasoning is not None and self.prompt.include_reasoning:
+            message["reasoning_content"] = reasoning or None
         return ({**message, "tool_calls": calls} if calls else message), self._finish_reason(finish_reason)
 
     def _finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and self.parser.complete_calls else reason
+        return "tool_calls" if reason == "stop" and self._calls(complete=True) else reason
 
 
 def sse(payload: dict[str, Any]) -> str:

@@ -181,7 +181,8 @@ class NamedToolChoice(BaseModel):
 
 class ChatRequest(SamplingFields):
     """A /v1/chat/completions request: a conversation, rendered by the model's chat template, with the tools the
-    model may call; chat_template_kwargs are further variables for the template (enable_thinking, ...)."""
+    model may call; chat_template_kwargs are further variables for the template (enable_thinking, ...);
+    include_reasoning false drops the reasoning from the reply."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -191,6 +192,7 @@ class ChatRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # type: ignore[assignment]
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: reasoning_content in the reply (where the template has markers)
 
     def unsupported(self) -> list[str]:
         return [name for name in ("functions", "function_call") if getattr(self, name) is not None]

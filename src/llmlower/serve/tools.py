@@ -1,5 +1,6 @@
 """A chat request's tools: the conversation and template variables that present them to the model, the grammar that
-keeps its calls valid (runtime/tool_calls.py), and the format its replies are parsed in (responses.ReplyParser)."""
+keeps its calls valid (runtime/tool_calls.py), the format its replies are parsed in, and the reasoning markers
+they are split at (responses.ReplyParser)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from ..errors import GenerationError
 from ..runtime import Tokenizer
+from ..runtime.reasoning import ReasoningFormat
 from ..runtime.structured import StructuredOutput
 from ..runtime.tool_calls import TOOL_NAME_PATTERN, ToolFormat, generic_messages, tool_grammar
 from .errors import APIError
@@ -23,7 +25,8 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 class ChatPrompt:
     """What a chat request gives the template (`messages`, `template_kwargs`) and, where it offers tools, the
     functions the model may call ((name, arguments' schema)), the grammar its reply follows and the format its
-    replies are parsed in; `keep_special`: the format's markers hold special tokens, kept in the text."""
+    replies are parsed in; `keep_special`: the format's markers hold special tokens, kept in the text. Replies are
+    split into reasoning and content at the template's `reasoning` markers."""
 
     messages: list[dict[str, Any]]
     template_kwargs: dict[str, Any]
@@ -31,6 +34,9 @@ class ChatPrompt:
     grammar: str | None = None
     format: ToolFormat | None = None
     keep_special: bool = False
+    reasoning: ReasoningFormat | None = None  # the template's reasoning markers
+    reasoning_inside: bool = False  # the generation prompt opens reasoning: the reply starts inside it
+    include_reasoning: bool = True
 
     def structured_output(self) -> StructuredOutput | None:
         """The tool grammar, compiled and checked (slow for large schemas: call it off the event loop); a schema
@@ -118,12 +124,33 @@ def chat_prompt(body: ChatRequest, tokenizer: Tokenizer) -> ChatPrompt:
         messages = generic_messages(messages, offered)
     elif offered:
         extra["tools"] = offered
+    reasoning = tokenizer.reasoning_format
+    variables = {name: extra[name] for name in body.chat_template_kwargs or {}}
+    thinking = {
+        "reasoning": reasoning,
+        "reasoning_inside": reasoning is not None and reasoning.opened_by(_generation_prompt(tokenizer, variables)),
+        "include_reasoning": body.include_reasoning,
+    }
+    markers = "" if reasoning is None else reasoning.start + reasoning.end
     if not functions:
-        return ChatPrompt(messages, extra)
+        return ChatPrompt(messages, extra, keep_special=_special_in(tokenizer, markers), **thinking)
     named = isinstance(body.tool_choice, NamedToolChoice)
     required = body.tool_choice == "required" or named
     parallel = body.parallel_tool_calls and not named
     grammar = tool_grammar(format, functions, required, parallel, tokenizer.added_tokens())
-    markers = format.head + (format.between or "") + format.tail
-    keep_special = any(token in markers for token in tokenizer.added_tokens(special_only=True))
-    return ChatPrompt(messages, extra, functions, grammar, format, keep_special)
+    markers += format.head + (format.between or "") + format.tail
+    return ChatPrompt(messages, extra, functions, grammar, format, _special_in(tokenizer, markers), **thinking)
+
+
+def _generation_prompt(tokenizer: Tokenizer, variables: dict[str, Any]) -> str:
+    """The template's generation prompt under the request's variables (a template that fails here fails later, on
+    the whole conversation, with its own message)."""
+    try:
+        return tokenizer.generation_prompt(**variables)
+    except GenerationError:
+        return ""
+
+
+def _special_in(tokenizer: Tokenizer, text: str) -> bool:
+    """Whether `text` holds special tokens (decoding would drop them: the reply's text keeps them instead)."""
+    return any(token in text for token in tokenizer.added_tokens(special_only=True))
