@@ -169,6 +169,8 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert httpx.post(f"{server}/tokenize", json={"prompt": text}).status_code == 401
     bad = httpx.post(f"{server}/detokenize", json={"tokens": [10**6]}, headers=headers)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    generates = httpx.post(f"{server}/v1/embeddings", json={"model": MODEL, "input": "hi"}, headers=headers)
+    assert generates.status_code == 400 and "--task embed" in generates.json()["error"]["message"]
 
 
 BAD_TOOLS = [

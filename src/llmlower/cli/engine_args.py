@@ -22,7 +22,8 @@ def apply_recipe(args: argparse.Namespace) -> Choice | None:
     or without a recipe (the flags alone). Prints the choice and why on stderr."""
     from ..runtime.artifact import is_artifact
 
-    asked = args.recipe or args.default_recipe
+    embedding = getattr(args, "task", "generate") == "embed"
+    asked = args.recipe or ("exact" if embedding and args.default_recipe else args.default_recipe)
     if asked is None or is_artifact(args.model):
         args.kv_cache_dtype = args.kv_cache_dtype or "auto"
         return None
@@ -37,6 +38,10 @@ def pass_pipeline(args: argparse.Namespace, all_logits: bool = False) -> list:
     """The pass list the pipeline flags ask for (after apply_recipe: the recipe's where not given)."""
     from ..passes import build_pipeline
 
+    task, pooling = getattr(args, "task", "generate"), getattr(args, "pooling", None)
+    if pooling is not None and task != "embed":
+        raise LlmlowerError("--pooling: only with --task embed")
+
     return build_pipeline(
         args.passes,
         args.quant or "none",
@@ -47,6 +52,7 @@ def pass_pipeline(args: argparse.Namespace, all_logits: bool = False) -> list:
         awq=args.awq,
         gptq=args.gptq,
         scale_dtype=None if args.scale_dtype in (None, "auto") else args.scale_dtype,
+        embed=(pooling or "last") if task == "embed" else None,
     )
 
 
@@ -60,6 +66,8 @@ def check_artifact_options(args: argparse.Namespace) -> None:
         "--recipe": args.recipe,
         "--backend": getattr(args, "backend", None),
         "--passes": args.passes,
+        "--task": getattr(args, "task", "generate") != "generate",
+        "--pooling": getattr(args, "pooling", None),
         "--quant": args.quant not in (None, "none"),
         "--keep": args.keep,
         "--quant-embedding": args.quant_embedding,

@@ -46,6 +46,16 @@ def add_pipeline_options(parser: argparse.ArgumentParser, recipe_default: str | 
     )
     parser.add_argument("--passes", help="comma-separated passes (default: the default pipeline; see `passes`)")
     parser.add_argument(
+        "--task",
+        choices=["generate", "embed"],
+        default="generate",
+        help="generate (default) continues text; embed compiles a text-embedding model (hidden states instead of "
+        "logits, pooled into one normalized vector a text: /v1/embeddings), recipe exact unless --recipe says",
+    )
+    parser.add_argument(
+        "--pooling", choices=["last", "mean"], help="--task embed: the last token's hidden state (default) or the mean"
+    )
+    parser.add_argument(
         "--quant",
         help="weight quantization: none, q8, q8c (int8 per channel), q4g32, q4g64, q4g128 (add -sym: symmetric, "
         "-zp4: 4-bit zero points), q4mix (int4 where it keeps quality, int8 elsewhere), q4mix-a8 (q4mix with int8 "

@@ -5,6 +5,7 @@ from . import (  # noqa: F401  (registration)
     canonicalize,
     draft_layers,
     eager_attention,
+    embed,
     fuse_norms,
     fuse_projections,
     fuse_qkv_attention,

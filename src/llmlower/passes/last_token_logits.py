@@ -1,8 +1,9 @@
 """last_token_logits: run the LM head only on the tokens whose next token is sampled.
 
-A prefill of a 500-token prompt then multiplies one row by the [vocab, hidden] LM head instead of 500. Which
-rows is a step input (`logits_indices`, see step_io): each sequence's last new token in a plain step, its last
-k + 1 when speculative decoding verifies k proposed tokens.
+A prefill of a 500-token prompt then multiplies one row by the [vocab, hidden] LM head instead of 500 (an
+embedding program, the embed pass's, returns those rows of its hidden states). Which rows is a step input
+(`logits_indices`, see step_io): each sequence's last new token in a plain step, its last k + 1 when speculative
+decoding verifies k proposed tokens.
 """
 
 from __future__ import annotations
@@ -29,18 +30,25 @@ def last_token_logits(program: Program) -> tuple[Program, dict[str, Any]]:
     if logits_spec.shape[1] == 1:
         raise PassError("last_token_logits: the program already returns last-token logits")
     gm = program.graph_module
-    head = lm_head(gm, output_node_for(gm, program.output_names, LOGITS), HEADS)
-    if head is None:
+    output = output_node_for(gm, program.output_names, LOGITS)
+    embedding = "embed" in {record.name for record in program.history}
+    head = None if embedding else lm_head(gm, output, HEADS)
+    if head is None and not embedding:
         raise PassError("last_token_logits: no linear layer produces the logits")
-    hidden = head.args[0]
+    hidden = output if embedding else head.args[0]  # an embedding program's rows are the hidden states themselves
     graph = gm.graph
     with graph.inserting_after(list(graph.find_nodes(op="placeholder"))[-1]):  # the signature's last input
         indices = graph.placeholder(LOGITS_INDICES)
-    with graph.inserting_before(head):  # hidden [rows, tokens, h] -> [rows * tokens, h] -> the indexed rows
+    with graph.inserting_after(hidden):  # hidden [rows, tokens, h] -> [rows * tokens, h] -> the indexed rows
         flat = graph.call_function(aten.reshape.default, (hidden, [-1, program.spec.hidden_size]))
+    with graph.inserting_after(flat):
         rows = graph.call_function(aten.index_select.default, (flat, 0, indices))
+    with graph.inserting_after(rows):
         gathered = graph.call_function(aten.unsqueeze.default, (rows, 1))  # [logits, 1, hidden]
-    head.replace_input_with(hidden, gathered)
+    if embedding:
+        graph.output_node().replace_input_with(hidden, gathered)
+    else:
+        head.replace_input_with(hidden, gathered)
     finish(gm)
     inputs = [*program.inputs, TensorSpec(LOGITS_INDICES, "int64", ("logits",))]
     outputs = [

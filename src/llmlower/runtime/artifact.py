@@ -237,6 +237,13 @@ def kv_cache_dtype(manifest: dict[str, Any]) -> str:
     return manifest["kv_layout"].get("dtype", manifest["dtype"])
 
 
+def embedding_pooling(pipeline: list[dict[str, Any]]) -> str | None:
+    """How an embedding model's rows become one vector a text (its embed pass's pooling: last or mean), from an
+    artifact's pipeline (the manifest's, or a Program's history as dicts); None for a model that generates."""
+    options = [record.get("options", {}) for record in pipeline if record.get("name") == "embed"]
+    return options[0].get("pooling", "last") if options else None
+
+
 def draft_dir_name(layers: int) -> str:
     """The directory, inside the target artifact, of its self-draft with `layers` decoder layers."""
     return f"draft-layers-{layers}"

@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import GenerationError, RequestFailed
 from ..spec import ModelSpec
 from ..step_io import DEFAULT_BLOCK_SIZE
-from .artifact import draft_artifact, kv_cache_dtype, read_manifest
+from .artifact import draft_artifact, embedding_pooling, kv_cache_dtype, read_manifest
 from .block_manager import BlockManager, kv_pool_blocks
 from .engine_core import EngineCore, EngineStats
 from .executor import Executor
@@ -72,9 +72,15 @@ class Engine:
         seed: int | None = None,
         config: EngineConfig | None = None,
         draft: Executor | None = None,
+        pooling: str | None = None,
     ) -> None:
-        """`draft`: the draft model's executor when config.speculative uses one (a pool of the target's shape)."""
+        """`draft`: the draft model's executor when config.speculative uses one (a pool of the target's shape);
+        `pooling`: an embedding model's (last or mean, its embed pass's): each request's result is its prompt's
+        embedding."""
         config = config or EngineConfig()
+        if pooling is not None and config.speculative is not None:
+            raise GenerationError("an embedding model generates no tokens: it takes no speculative decoding")
+        self.pooling = pooling
         self.executor = executor
         self.tokenizer = tokenizer
         self.spec = spec
@@ -85,8 +91,9 @@ class Engine:
                 "speculative decoding: the draft model keeps a recurrent state (a hybrid model), which cannot yet be "
                 "rolled back past rejected guesses; use --speculative ngram or a draft without recurrent layers"
             )
-        # A cached prefix holds KV entries but not the recurrent state after it: hybrid models compute every prompt.
-        prefix_caching = config.enable_prefix_caching and not executor.states
+        # A cached prefix holds KV entries but not the recurrent state after it: hybrid models compute every prompt;
+        # nor the rows a mean is taken over.
+        prefix_caching = config.enable_prefix_caching and not executor.states and pooling != "mean"
         if config.enable_prefix_caching and not prefix_caching:
             logger.info(
                 "prefix caching is off: this model keeps a recurrent state, which a cached prefix does not hold"
@@ -102,7 +109,9 @@ class Engine:
         self.proposer = make_proposer(speculative, draft, executor, self.sampler, self.blocks.block_table)
         self.intake = RequestIntake(tokenizer, spec, executor, self.blocks, config.max_num_seqs)
         outputs = OutputProcessor(executor.max_context, speculating=self.proposer is not None)
-        self.core = EngineCore(executor, draft, self.blocks, self.scheduler, self.sampler, self.proposer, outputs)
+        self.core = EngineCore(
+            executor, draft, self.blocks, self.scheduler, self.sampler, self.proposer, outputs, pooling
+        )
         self.requests = self.core.requests
         self._driver = threading.Lock()
 
@@ -158,7 +167,8 @@ class Engine:
             if not same_logits or Tokenizer.from_dir(path).vocabulary() != tokenizer.vocabulary():
                 raise GenerationError(f"draft model {path}: its tokenizer or vocabulary differs from {artifact}'s")
             draft = load_executor(path, draft_manifest, num_blocks, block_size, context, threads, source)
-        return cls(executor, tokenizer, spec, config=config, draft=draft)
+        pooling = embedding_pooling(manifest["pipeline"])
+        return cls(executor, tokenizer, spec, config=config, draft=draft, pooling=pooling)
 
     # ---------------------------------------------------------------- requests
 
@@ -209,6 +219,16 @@ class Engine:
         return self.core.stats()
 
     # ---------------------------------------------------------------- batch calls
+
+    def embed(self, texts: Sequence[str | list[int]]) -> list[np.ndarray]:
+        """An embedding model's vectors of `texts` (strings, with the tokenizer's special tokens, or token ids):
+        each one pooled and L2-normalized, float32; batched as generate batches completions."""
+        if self.pooling is None:
+            raise GenerationError("this model generates text: compile it with --task embed to embed")
+        if isinstance(texts, str):
+            raise GenerationError("texts must be a list of strings or of token id lists")
+        results = self.generate(list(texts), SamplingParams(max_tokens=1), chat=False)
+        return [np.asarray(result.embedding, dtype=np.float32) for result in results]
 
     def generate(
         self,

@@ -65,8 +65,12 @@ class EngineCore:
         sampler: Sampler,
         proposer: Proposer | None,
         outputs: OutputProcessor,
+        pooling: str | None = None,
     ) -> None:
+        """`pooling`: an embedding model's (last or mean): a computed prompt is pooled into its embedding, and
+        nothing is sampled."""
         self.executor = executor
+        self.pooling = pooling
         self.draft = draft
         self.blocks = blocks
         self.scheduler = scheduler
@@ -165,7 +169,7 @@ class EngineCore:
             ],
             past_lens=[s.sequence.num_computed for s in scheduled],
             block_tables=[self.blocks.block_table(s.sequence.seq_id) for s in scheduled],
-            num_logits=[len(p.tokens) + 1 for p in proposals],
+            num_logits=self._rows(scheduled, proposals),
             state_slots=[slot_of(s.sequence.seq_id) for s in scheduled] if self.executor.states else None,
         )
         started = time.perf_counter()
@@ -184,16 +188,22 @@ class EngineCore:
         masks: list[list | None],
         now: float,
     ) -> list[GenerationDelta]:
-        """Advance the scheduled sequences by what they computed; the ones whose prompt is done choose tokens."""
-        ends = np.cumsum([len(p.tokens) + 1 for p in proposals])
+        """Advance the scheduled sequences by what they computed; the ones whose prompt is done choose tokens (or,
+        on an embedding model, are pooled)."""
+        counts = self._rows(scheduled, proposals)
+        ends = np.cumsum(counts).tolist()
         choices: list[Choice] = []
-        for item, proposal, mask, end in zip(scheduled, proposals, masks, ends.tolist(), strict=True):
+        pooled: list[GenerationDelta] = []
+        for item, proposal, mask, end, count in zip(scheduled, proposals, masks, ends, counts, strict=True):
             sequence: RequestSequence = item.sequence  # type: ignore[assignment]
             request = sequence.request
             if sequence.num_computed < sequence.prompt_len:
                 self.prompt_tokens += min(item.num_tokens, sequence.prompt_len - sequence.num_computed)
             sequence.num_computed += item.num_tokens  # a proposal's tokens count once verified
             self.blocks.commit(sequence.seq_id, sequence.token_ids, sequence.num_computed)
+            if self.pooling is not None:
+                pooled += self._pool(sequence, logits[end - count : end], item.num_tokens, now)
+                continue
             if sequence.num_uncomputed:
                 continue  # a prompt chunk: nothing to sample yet
             rows = logits[end - len(proposal.tokens) - 1 : end]
@@ -205,8 +215,35 @@ class EngineCore:
                 choices.append(Choice(fork, rows, Proposal(), None))
             request.forks = []
         if not choices:
+            return pooled
+        return pooled + self._accept(choices, now)
+
+    def _rows(self, scheduled: list[ScheduledSequence], proposals: list[Proposal]) -> list[int]:
+        """The output rows each scheduled sequence takes from the step: its last token's and its proposal's (one
+        for each guess), or on an embedding model pooling the mean, every token's of the chunk."""
+        if self.pooling == "mean":
+            return [item.num_tokens for item in scheduled]
+        return [len(proposal.tokens) + 1 for proposal in proposals]
+
+    def _pool(self, sequence: RequestSequence, rows: np.ndarray, computed: int, now: float) -> list[GenerationDelta]:
+        """Take an embedding model's rows of a prompt chunk (`computed` tokens); once the prompt is done, its
+        embedding: the last row or the mean of every row, L2-normalized. A sequence recomputed from its start
+        (preempted) starts its sum again."""
+        if self.pooling == "mean":
+            start = sequence.num_computed - computed
+            total = np.zeros(rows.shape[-1]) if start == 0 or sequence.pooled is None else sequence.pooled
+            sequence.pooled = total + rows.astype(np.float64).sum(0)
+        if sequence.num_uncomputed:
             return []
-        return self._accept(choices, now)
+        vector = sequence.pooled / sequence.prompt_len if self.pooling == "mean" else rows[-1].astype(np.float64)
+        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        delta = self.outputs.embedded(sequence, vector, now)
+        self._retire(sequence)
+        self.finished["stop"] += 1
+        request = sequence.request
+        if request.outbox is None and request.done:
+            self.requests.pop(request.request_id, None)
+        return deliver(request, delta)
 
     def _propose(self, scheduled: list[ScheduledSequence]) -> tuple[list[Proposal], list[list | None]]:
         """Each scheduled sequence's speculative tokens (none for prompt chunks, or without a proposer), and for

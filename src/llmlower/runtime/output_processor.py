@@ -39,20 +39,29 @@ class OutputProcessor:
             out.result = self.result(sequence)
         return out
 
+    def embedded(self, sequence: RequestSequence, embedding: np.ndarray, now: float) -> GenerationDelta:
+        """The last delta of an embedding model's sequence whose prompt is computed: its result holds the
+        embedding, and no tokens."""
+        sequence.token_times.append(now)
+        sequence.finished = True
+        request = sequence.request
+        result = GenerationResult(
+            text="",
+            token_ids=[],
+            prompt_token_ids=request.prompt,
+            finish_reason="stop",
+            usage=Usage(sequence.prompt_len, 0, sequence.prompt_len, sequence.cached_tokens),
+            timing=_timing(sequence),
+            index=sequence.index,
+            request_id=request.request_id,
+            embedding=embedding.tolist(),
+        )
+        return GenerationDelta(0, sequence.index, "", -1, "stop", request_id=request.request_id, result=result)
+
     def result(self, sequence: RequestSequence) -> GenerationResult:
         """A finished sequence's completion: text, tokens, logprobs, usage and timing."""
         request = sequence.request
-        times = sequence.token_times
-        gaps = np.diff(times).tolist()
-        decode_time = times[-1] - times[0]
-        timing = Timing(
-            ttft_s=times[0] - request.arrival,
-            decode_tokens_per_s=len(gaps) / decode_time if decode_time > 0 else 0.0,
-            mean_token_latency_s=decode_time / len(gaps) if gaps else 0.0,
-            total_s=times[-1] - request.arrival,
-            queue_s=(request.scheduled_at or times[0]) - request.arrival,
-            inter_token_latencies_s=gaps,
-        )
+        timing = _timing(sequence)
         output = sequence.output
         usage = Usage(sequence.prompt_len, len(output), sequence.prompt_len + len(output), sequence.cached_tokens)
         return GenerationResult(
@@ -68,6 +77,22 @@ class OutputProcessor:
             request_id=request.request_id,
             speculation=sequence.speculation.to_dict() if self.speculating else None,
         )
+
+
+def _timing(sequence: RequestSequence) -> Timing:
+    """How long a finished sequence took, from its request's arrival to each of its token times."""
+    request = sequence.request
+    times = sequence.token_times
+    gaps = np.diff(times).tolist()
+    decode_time = times[-1] - times[0]
+    return Timing(
+        ttft_s=times[0] - request.arrival,
+        decode_tokens_per_s=len(gaps) / decode_time if decode_time > 0 else 0.0,
+        mean_token_latency_s=decode_time / len(gaps) if gaps else 0.0,
+        total_s=times[-1] - request.arrival,
+        queue_s=(request.scheduled_at or times[0]) - request.arrival,
+        inter_token_latencies_s=gaps,
+    )
 
 
 def deliver(request: Request, delta: GenerationDelta) -> list[GenerationDelta]:

@@ -40,7 +40,8 @@ class TokenLogprob:
 
 @dataclass
 class GenerationResult:
-    """One completion: request `request` (its position in a generate call), completion `index` of its n."""
+    """One completion: request `request` (its position in a generate call), completion `index` of its n; an
+    embedding model's has its prompt's `embedding` and no tokens."""
 
     text: str
     token_ids: list[int]
@@ -54,6 +55,7 @@ class GenerationResult:
     index: int = 0
     request_id: str = ""
     speculation: dict[str, Any] | None = None  # with speculative decoding: SpeculationStats.to_dict of this one
+    embedding: list[float] | None = None  # an embedding model's: the prompt's pooled, L2-normalized hidden state
 
     def to_dict(self) -> dict[str, Any]:
         """The result as plain dicts and lists (for JSON)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .detokenizer import TextStream
 from .outputs import GenerationDelta, TokenLogprob
 from .sampler import SequenceSampling
@@ -34,6 +36,7 @@ class RequestSequence(SchedulerSequence):
     token_times: list[float] = field(default_factory=list)
     cached_tokens: int = 0
     finished: bool = False
+    pooled: np.ndarray | None = None  # an embedding model's sum of the prompt's rows so far (mean pooling)
 
     @property
     def output(self) -> list[int]:

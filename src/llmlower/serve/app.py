@@ -1,5 +1,6 @@
 """The OpenAI-compatible FastAPI app around an AsyncEngine: /v1/models, /v1/completions, /v1/chat/completions
-(whole or as server-sent events, with tool calls), /tokenize and /detokenize, /health and /metrics.
+(whole or as server-sent events, with tool calls), /v1/embeddings (an embedding model's), /tokenize and
+/detokenize, /health and /metrics.
 
 Every request is checked before the engine sees it (API key, body size, the model's name, field types, sampling
 values, the context), and refused in OpenAI's error envelope. The engine's one thread serves all requests in one
@@ -36,8 +37,8 @@ from .engine_params import (
 from .errors import APIError
 from .limits import LimitExceeded, RequestLimits
 from .metrics import Metrics
-from .responses import Formatter, sse, usage
-from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .responses import Formatter, embedding_response, sse, usage
+from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 from .tools import ChatPrompt, chat_prompt
 
 
@@ -200,6 +201,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     def check(body: CompletionRequest | ChatRequest) -> None:
         """The model's name and the server's limits, before anything is tokenized."""
         named(body.model)
+        if engine.engine.pooling is not None:
+            message = f"the model `{body.model}` embeds text (compiled with --task embed): use /v1/embeddings"
+            raise APIError(400, message, "model", "invalid_value")
         try:
             config.limits.check(body, top_logprobs(body), grammar_source(body))
         except LimitExceeded as error:
@@ -208,7 +212,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(admitted)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check(body)
-        prompts = completion_prompts(body)
+        prompts = completion_prompts(body.prompt)
 
         async def tokenized() -> list[list[int]]:
             return [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
@@ -228,6 +232,46 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 raise APIError(400, str(error), "messages", "invalid_value") from None
 
         return await admitted_request(body, request, 1, tokenized, chat=prompt)
+
+    @app.post("/v1/embeddings", dependencies=[Depends(admitted)])
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        """An embedding model's vectors of the inputs, batched with every other request."""
+        named(body.model)
+        if engine.engine.pooling is None:
+            message = f"the model `{body.model}` generates text: embeddings need a model compiled with --task embed"
+            raise APIError(400, message, "model", "invalid_value")
+        inputs = completion_prompts(body.input, "input")
+        try:
+            config.limits.check_inputs(len(inputs))
+        except LimitExceeded as error:
+            raise APIError(400, str(error), error.param, "too_large") from None
+        width = engine.engine.spec.hidden_size
+        if body.dimensions is not None and body.dimensions > width:
+            message = f"dimensions: at most the model's {width}, got {body.dimensions}"
+            raise APIError(400, message, "dimensions", "invalid_value")
+        release = admission.take(len(inputs))
+        try:
+            ids = [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in inputs]
+            longest = max(len(p) for p in ids)
+            if longest >= max_context:
+                message = f"input: {longest} tokens exceed the context of {max_context - 1} tokens"
+                raise APIError(400, message, "input", "context_length_exceeded")
+            try:
+                stream = await engine.submit(ids, SamplingParams(max_tokens=1), chat=False)
+            except RequestFailed as error:
+                raise stream_error(error) from None
+            except GenerationError as error:
+                raise APIError(400, str(error), "input", "invalid_value") from None
+            timer = deadline(stream, release)
+            try:
+                results = await collect_or_abort(stream, request)
+            except GenerationError as error:
+                raise stream_error(error) from None
+            finally:
+                timer.cancel()
+        finally:
+            release()
+        return JSONResponse(embedding_response(results, config.model_name, body.encoding_format, body.dimensions))
 
     async def admitted_request(
         body: ChatRequest | CompletionRequest,

@@ -125,16 +125,18 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
         raise APIError(400, "logit_bias keys must be token ids", "logit_bias", "invalid_value") from None
 
 
-def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
-    """The prompts of a completions request: one text, texts, token ids, or lists of token ids."""
-    prompt = request.prompt
+def completion_prompts(
+    prompt: str | list[str] | list[int] | list[list[int]], field: str = "prompt"
+) -> list[str | list[int]]:
+    """The prompts of a completions request (or the inputs of an embeddings request, `field` input): one text,
+    texts, token ids, or lists of token ids."""
     if isinstance(prompt, str):
         return [prompt]
     if prompt and all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     if not prompt:
-        raise APIError(400, "prompt is empty", "prompt", "invalid_value")
+        raise APIError(400, f"{field} is empty", field, "invalid_value")
     empty = next((i for i, p in enumerate(prompt) if len(p) == 0), None)
     if empty is not None:  # an empty prompt would be taken for an empty chat
-        raise APIError(400, f"prompt.{empty} is empty", f"prompt.{empty}", "invalid_value")
+        raise APIError(400, f"{field}.{empty} is empty", f"{field}.{empty}", "invalid_value")
     return list(prompt)

@@ -34,6 +34,7 @@ class RequestLimits:
     max_top_logprobs: int = _limit(20, "top_logprobs (chat) or logprobs (completions) per token")
     max_grammar_bytes: int = _limit(64 << 10, "bytes of a request's JSON schema, regex, grammar or tools")
     max_tools: int = _limit(64, "tools one chat request may offer")
+    max_embedding_inputs: int = _limit(256, "texts one embeddings request may embed")
 
     def check(self, request: Any, top_logprobs: int, grammar: tuple[str, Any] | None) -> None:
         """LimitExceeded for the first field of `request` over its limit; `top_logprobs` is the request's count
@@ -54,6 +55,10 @@ class RequestLimits:
             _at_most("tools", len(tools), self.max_tools, "tools")
             described = json.dumps(tools, default=lambda tool: tool.model_dump())
             _at_most("tools", len(described.encode()), self.max_grammar_bytes, "bytes")
+
+    def check_inputs(self, count: int) -> None:
+        """LimitExceeded for an embeddings request of more inputs than the limit."""
+        _at_most("input", count, self.max_embedding_inputs, "inputs")
 
 
 def _at_most(param: str, value: int, limit: int, what: str) -> None:

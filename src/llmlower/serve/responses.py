@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
 from typing import Any
+
+import numpy as np
 
 from ..runtime import GenerationDelta, GenerationResult, Tokenizer, TokenLogprob
 from ..runtime.reasoning import ReasoningParser
@@ -184,6 +187,23 @@ class ReplyParser:
 
     def _finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self._calls(complete=True) else reason
+
+
+def embedding_response(
+    results: list[GenerationResult], model: str, encoding: str, dimensions: int | None
+) -> dict[str, Any]:
+    """An embeddings response: each input's vector (its leading `dimensions`, renormalized, where asked) as floats
+    or as base64 of little-endian float32, in the inputs' order, and the tokens they took."""
+    data = []
+    for result in sorted(results, key=lambda r: r.request):
+        vector = np.asarray(result.embedding[:dimensions], dtype=np.float64)
+        if dimensions is not None:
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        vector = vector.astype("<f4")
+        value = base64.b64encode(vector.tobytes()).decode() if encoding == "base64" else vector.tolist()
+        data.append({"object": "embedding", "index": result.request, "embedding": value})
+    tokens = sum(result.usage.prompt_tokens for result in results)
+    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def sse(payload: dict[str, Any]) -> str:

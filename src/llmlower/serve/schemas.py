@@ -218,3 +218,15 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(BaseModel):
+    """A /v1/embeddings request: texts or token ids; `dimensions` keeps the leading ones (renormalized), as models
+    trained for it (Matryoshka) allow; base64 is little-endian float32."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
