@@ -602,7 +602,7 @@ def _streamed_events(url: str, body: dict) -> list[str]:
         return [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
 
 
-def test_speculative_serving_counts_proposals_and_keeps_structured_output(artifact, tmp_path, serving):
+def test_speculative_serving_counts_proposals_and_keeps_structured_output_and_tool_calls(artifact, tmp_path, serving):
     flags = ("--speculative", "ngram", "--num-speculative-tokens", "3")
     with serving(artifact, *flags, log=tmp_path / "log") as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -616,6 +616,18 @@ def test_speculative_serving_counts_proposals_and_keeps_structured_output(artifa
             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
         )
         jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+        tool = {"type": "function", "function": {"name": "person", "parameters": PERSON}}
+        called = client.chat.completions.create(
+            model=ARTIFACT,
+            messages=[{"role": "user", "content": "a person, compile the graph, compile the graph"}],
+            max_tokens=120,
+            temperature=0,
+            tools=[tool],
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+        (call,) = called.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), PERSON)
         values = _wait_idle(url)
     drafts, proposed = (
         values["llmlower:spec_decode_num_drafts_total"],
