@@ -420,7 +420,7 @@ BAD_REQUESTS = [  # (what, path, body or raw bytes, headers, status, param, code
     ("no API key", "/v1/models", None, {"Authorization": ""}, 401, None, "invalid_api_key"),
     ("wrong API key", "/v1/completions", {}, {"Authorization": "Bearer nope"}, 401, None, "invalid_api_key"),
     ("body over the limit", "/v1/completions", {"prompt": "x" * 70_000}, {}, 413, None, "request_too_large"),
-    ("unknown path", "/v1/embeddings", {}, {}, 404, None, None),
+    ("unknown path", "/v1/audio/speech", {}, {}, 404, None, None),
 ]
 
 
