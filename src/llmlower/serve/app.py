@@ -174,11 +174,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, "give exactly one of prompt and messages", "prompt", "invalid_value")
         try:
             if body.messages is not None:
-                chat = ChatRequest(model=config.model_name, messages=body.messages, tools=body.tools)
-                chat.chat_template_kwargs = body.chat_template_kwargs
+                chat = ChatRequest(
+                    model=config.model_name,
+                    messages=body.messages,
+                    tools=body.tools,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                )
                 prompt = chat_prompt(chat, tokenizer)
-                text = tokenizer.apply_chat_template(prompt.messages, **prompt.template_kwargs)
-                ids = await asyncio.to_thread(tokenizer.encode, text, False)
+                rendered = engine.engine.prompt_token_ids  # as the chat endpoint renders it, off the event loop
+                ids = await asyncio.to_thread(rendered, prompt.messages, True, prompt.template_kwargs)
             else:
                 ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
         except GenerationError as error:
