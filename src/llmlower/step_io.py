@@ -38,6 +38,8 @@ LOGITS_INDICES = "logits_indices"
 BLOCK_TABLES = "block_tables"
 STATE_SLOTS = "state_slots"  # PAGED, hybrid models: each sequence's row of the recurrent states
 LOGITS = "logits"
+LORA_SLOTS = "lora_slots"  # a LoRA artifact's: each token's adapter slot (-1: the base model), shaped as input_ids
+LORA_PREFIXES = ("lora_a__", "lora_b__")  # + a linear's module path, "." as "__": its slots' A and B side by side
 PRESENT_PREFIX = "present_"  # ONNX names each value once: the updated cache k_cache_0 is output present_k_cache_0
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block when nothing else says
@@ -71,6 +73,22 @@ def cache_layer(name: str) -> int | None:
     """The layer of a KV-cache tensor name (k_cache_3, v_pool_0, ...), None for any other name."""
     match = _CACHE_NAME.fullmatch(name)
     return int(match.group(3)) if match else None
+
+
+def lora_names(module: str) -> tuple[str, str]:
+    """The inputs holding every adapter slot's A and B of one linear (its module path, model.layers.0.mlp.up_proj;
+    an input name is an identifier, the path's dots written "__")."""
+    if "__" in module:
+        raise ValueError(f"module path {module!r}: a LoRA target's path may not hold '__'")
+    return tuple(prefix + module.replace(".", "__") for prefix in LORA_PREFIXES)
+
+
+def lora_module(name: str) -> str | None:
+    """The linear's module path of a LoRA weight input's name, None for any other name."""
+    for prefix in LORA_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :].replace("__", ".")
+    return None
 
 
 def state_name(kind: str, layer: int) -> str:

@@ -13,7 +13,7 @@ from ..compile_cache import CompileRequest, load_compiled
 from ..errors import LlmlowerError
 from ..recipes import Choice, choose, recipe_settings
 from ..runtime import EngineConfig
-from .options import DEFAULT_SPECULATIVE_TOKENS, DEFAULT_STEP_TOKENS, SAMPLING_FLAGS
+from .options import DEFAULT_SPECULATIVE_TOKENS, DEFAULT_STEP_TOKENS, MAX_LORAS, SAMPLING_FLAGS
 
 
 def apply_recipe(args: argparse.Namespace) -> Choice | None:
@@ -53,7 +53,40 @@ def pass_pipeline(args: argparse.Namespace, all_logits: bool = False) -> list:
         gptq=args.gptq,
         scale_dtype=None if args.scale_dtype in (None, "auto") else args.scale_dtype,
         embed=(pooling or "last") if task == "embed" else None,
+        lora=lora_options(args),
     )
+
+
+def lora_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The lora pass's options from --lora-rank, --max-loras and --lora-targets; without --lora-rank, adapters
+    given with --lora size the slots (their largest rank, and room for them all); None without either."""
+    rank, slots, targets = getattr(args, "lora_rank", None), getattr(args, "max_loras", None), args.lora_targets
+    adapters = lora_adapters(args)
+    if rank is None and adapters:
+        rank = max(adapter.rank for adapter in adapters.values())
+    if rank is None:
+        if slots is not None or targets:
+            raise LlmlowerError("--max-loras and --lora-targets need --lora-rank (or --lora adapters)")
+        return None
+    options: dict[str, Any] = {"rank": rank, "max_loras": slots or max(MAX_LORAS, len(adapters))}
+    if targets:
+        options["targets"] = [t.strip() for t in targets.split(",") if t.strip()]
+    return options
+
+
+def lora_adapters(args: argparse.Namespace) -> dict[str, Any]:
+    """--lora NAME=PATH: the adapters, read (a bad directory fails before anything compiles)."""
+    from ..runtime.lora import LoraAdapter
+
+    adapters = {}
+    for given in getattr(args, "loras", []):
+        name, equals, path = given.partition("=")
+        if not equals or not name or not path:
+            raise LlmlowerError(f"--lora {given!r}: expected NAME=PATH")
+        if name in adapters:
+            raise LlmlowerError(f"--lora {given!r}: {name} is given twice")
+        adapters[name] = LoraAdapter.read(path)
+    return adapters
 
 
 def check_artifact_options(args: argparse.Namespace) -> None:
@@ -68,6 +101,9 @@ def check_artifact_options(args: argparse.Namespace) -> None:
         "--passes": args.passes,
         "--task": getattr(args, "task", "generate") != "generate",
         "--pooling": getattr(args, "pooling", None),
+        "--lora-rank": getattr(args, "lora_rank", None),
+        "--max-loras": getattr(args, "max_loras", None),
+        "--lora-targets": args.lora_targets,
         "--quant": args.quant not in (None, "none"),
         "--keep": args.keep,
         "--quant-embedding": args.quant_embedding,
@@ -124,23 +160,27 @@ def engine_from_args(args: argparse.Namespace, sequences: int) -> Any:
     check_artifact_options(args)
     choice = apply_recipe(args)
     config = engine_config(args, sequences)
+    adapters = lora_adapters(args)
     if is_artifact(args.model):
-        return Engine.load(args.model, config, threads=args.threads)
+        return Engine.load(args.model, config, threads=args.threads, loras=adapters)
     backend = args.backend
     if backend == "torch":
         from ..api import load_engine
 
         pipeline = pass_pipeline(args)
         dtype = args.dtype or "float32"
-        return load_engine(
+        engine = load_engine(
             args.model, pipeline, dtype=dtype, config=config, verify=args.verify, kv_cache_dtype=args.kv_cache_dtype
         )
+        for name, adapter in adapters.items():
+            engine.load_lora(name, adapter)
+        return engine
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
     def open_artifact(path: Path) -> Engine:
-        return Engine.load(path, config, threads=args.threads)
+        return Engine.load(path, config, threads=args.threads, loras=adapters)
 
     request = compile_request(args, backend, choice)
     return load_compiled(args.model, request, open_artifact, verify=args.verify, notify=say)
@@ -180,7 +220,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
             raise LlmlowerError(
                 f"logit_bias: expected a JSON object of token id to bias, got {args.logit_bias!r}"
             ) from None
-    return SamplingParams(**given, structured_output=_structured_output(args))
+    return SamplingParams(**given, structured_output=_structured_output(args), lora=args.lora_name)
 
 
 def _structured_output(args: argparse.Namespace) -> Any:

@@ -20,6 +20,7 @@ VERIFY_HELP = (
 MODEL_HELP = "a checkpoint directory, a .gguf file, 'example' (SmolLM2-135M-Instruct) or (generate) an artifact"
 DEFAULT_STEP_TOKENS = EngineConfig.max_num_batched_tokens
 DEFAULT_SPECULATIVE_TOKENS = 4
+MAX_LORAS = 4  # adapter slots of a model compiled with --lora-rank alone
 
 
 def parse_bytes(text: str) -> int:
@@ -95,6 +96,19 @@ def add_pipeline_options(parser: argparse.ArgumentParser, recipe_default: str | 
         "int8: a quarter, scales per kv head and channel calibrated when compiling (onnx, tvm, mlir and torch on "
         "the cpu)",
     )
+    lora = parser.add_argument_group("LoRA adapter slots (the lora pass; adapters load at run time: --lora)")
+    lora.add_argument(
+        "--lora-rank", type=int, metavar="R", help="compile with adapter slots of up to rank R (default: none)"
+    )
+    lora.add_argument(
+        "--max-loras", type=int, metavar="N", help=f"adapters loaded at once, with --lora-rank (default {MAX_LORAS})"
+    )
+    lora.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="comma-separated linears that take adapters, by last module name (q_proj,v_proj; default: every "
+        "linear of the decoder layers)",
+    )
 
 
 SAMPLING_FLAGS: dict[str, dict[str, Any]] = {  # SamplingParams field -> argparse options of --field-name
@@ -132,6 +146,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--grammar", type=Path, metavar="FILE", help=f"the output follows this Lark grammar {structured}"
     )
+    group.add_argument("--lora-name", metavar="NAME", help="the LoRA adapter (loaded by --lora) that answers")
     add_serving_options(parser, "the completions asked for")
 
 
@@ -172,6 +187,15 @@ def add_serving_options(parser: argparse.ArgumentParser, default_seqs: str) -> N
         "--num-speculative-tokens",
         type=int,
         help=f"tokens proposed per step with --speculative (default {DEFAULT_SPECULATIVE_TOKENS})",
+    )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        dest="loras",
+        help="load a PEFT LoRA adapter directory under NAME (repeatable); a model compiled here gets slots of the "
+        "adapters' largest rank unless --lora-rank says",
     )
     parser.add_argument("--threads", type=int, default=0, help="artifact: intra-op threads (default: one per core)")
     parser.add_argument("--verify", action="store_true", help=VERIFY_HELP)

@@ -37,6 +37,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     for flag, default, what in LIMIT_FLAGS:
         srv.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default, help=f"{what} (default {default})")
     srv.add_argument(
+        "--enable-lora-loading",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter: clients with the key load adapters from "
+        "this machine's paths (the model needs adapter slots: --lora-rank)",
+    )
+    srv.add_argument(
         "--replicas", type=int, default=1, help="N replicas on Ray Serve, each its own engine (artifacts; RAY_ADDRESS)"
     )
     add_serving_options(srv, f"{SERVE_SEQUENCES}")
@@ -62,8 +68,13 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name
     api_key = args.api_key or os.environ.get("LLMLOWER_API_KEY")
     limits = RequestLimits(**{flag: getattr(args, flag) for flag, _, _ in LIMIT_FLAGS})
-    config = ServerConfig(name, api_key, args.max_waiting, args.max_body_bytes, limits, args.request_timeout or None)
+    timeout = args.request_timeout or None
+    config = ServerConfig(
+        name, api_key, args.max_waiting, args.max_body_bytes, limits, timeout, lora_loading=args.enable_lora_loading
+    )
     if args.replicas > 1:
+        if args.loras or args.enable_lora_loading:
+            raise LlmlowerError("--lora and --enable-lora-loading serve one engine: not with --replicas")
         try:
             from ..serve.replicas import run_replicas
         except ImportError as error:

@@ -15,6 +15,7 @@ from . import (  # noqa: F401  (registration)
     kv_cache_dtype,
     last_token_logits,
     latent_cache,
+    lora,
     paged_attention,
     quantize_weights,
     smoothquant,

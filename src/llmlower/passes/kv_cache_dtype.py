@@ -36,7 +36,16 @@ from ..ir.program import (
 )
 from ..ir.qkv_attention import QKV_ATTENTION
 from ..ir.rope import ROPE
-from ..step_io import BLOCK_TABLES, KV_CACHE_DTYPES, STATE_SLOTS, KVLayout, cache_layer, state_layer
+from ..step_io import (
+    BLOCK_TABLES,
+    KV_CACHE_DTYPES,
+    LORA_SLOTS,
+    STATE_SLOTS,
+    KVLayout,
+    cache_layer,
+    lora_module,
+    state_layer,
+)
 from .registry import Pass, Tensors, Verification, register_pass
 
 INT8_MAX = 127
@@ -54,8 +63,9 @@ ROTATING = (QKV_ATTENTION.overload, PAGED_QKV_ATTENTION.overload)  # they rotate
 
 def calibration_inputs(program: Program, ids: list[int], every_logit: bool = False) -> dict[str, torch.Tensor]:
     """One sequence of `ids` as a whole prompt, with empty float caches of exactly its length (PAGED: pools of
-    as many blocks, in order) and a hybrid model's recurrent states at zero; a program that computes only the last
-    token's logits computes every token's with `every_logit` (what its LM head sees for all of them)."""
+    as many blocks, in order), a hybrid model's recurrent states at zero and no LoRA adapter; a program that
+    computes only the last token's logits computes every token's with `every_logit` (what its LM head sees for all
+    of them)."""
     tokens = len(ids)
     paged = program.kv_layout is KVLayout.PAGED
     blocks = -(-tokens // program.block_size) if paged else 0
@@ -67,10 +77,11 @@ def calibration_inputs(program: Program, ids: list[int], every_logit: bool = Fal
         LOGITS_INDICES: torch.arange(tokens) if every_logit else torch.tensor([tokens - 1]),
         BLOCK_TABLES: torch.arange(blocks)[None],
         STATE_SLOTS: torch.zeros(1, dtype=torch.int64),  # PAGED: the sequence's row of each state pool
+        LORA_SLOTS: torch.full((1, tokens), -1),  # the base model: calibration knows no adapter
     }
     sizes = {"batch": 1, "context": tokens, "pool": blocks, "slots": 1}
     for spec in program.inputs:
-        if cache_layer(spec.name) is not None or state_layer(spec.name) is not None:
+        if cache_layer(spec.name) is not None or state_layer(spec.name) is not None or lora_module(spec.name):
             shape = [sizes.get(d, d) for d in spec.shape]
             values[spec.name] = torch.zeros(shape, dtype=getattr(torch, spec.dtype))
     return {name: values[name] for name in program.input_names}

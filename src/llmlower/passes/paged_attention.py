@@ -34,12 +34,14 @@ from ..step_io import (
     INPUT_IDS,
     INPUT_LENS,
     LOGITS,
+    LORA_SLOTS,
     PAST_LENS,
     POSITION_IDS,
     STATE_SLOTS,
     KVLayout,
     cache_layer,
     cache_names,
+    lora_module,
     pool_names,
     state_layer,
 )
@@ -60,7 +62,13 @@ STATE_ROWS = "slots"  # the leading dimension of a state pool in the PAGED layou
 
 def _paged_signature(program: Program, block_size: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The program's inputs and outputs in the PAGED layout."""
-    packed = {INPUT_IDS: (1, "tokens"), POSITION_IDS: (1, "tokens"), PAST_LENS: ("seqs",), INPUT_LENS: ("seqs",)}
+    packed = {
+        INPUT_IDS: (1, "tokens"),
+        POSITION_IDS: (1, "tokens"),
+        LORA_SLOTS: (1, "tokens"),
+        PAST_LENS: ("seqs",),
+        INPUT_LENS: ("seqs",),
+    }
 
     def paged(t: TensorSpec) -> TensorSpec:
         layer = cache_layer(t.name)
@@ -194,6 +202,9 @@ def _run_paged(program: Program, slot_inputs: dict[str, torch.Tensor], options: 
         INPUT_LENS: lens,
         BLOCK_TABLES: tables,
     }
+    if LORA_SLOTS in slot_inputs:  # a program with adapter slots: each token's slot, and the slots' weights as given
+        paged[LORA_SLOTS] = slot_inputs[LORA_SLOTS][real][None]
+        paged |= {name: value for name, value in slot_inputs.items() if lora_module(name) is not None}
     positions = torch.arange(blocks * block_size)
     for layer in _cache_layers(program):
         for slot_name, pool_name in zip(cache_names(layer), pool_names(layer), strict=True):

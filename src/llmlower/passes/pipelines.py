@@ -87,13 +87,15 @@ def build_pipeline(
     gptq: bool = False,
     scale_dtype: str | None = None,
     embed: str | None = None,
+    lora: dict[str, Any] | None = None,
 ) -> list[PassSpec]:
     """The pass list for `passes` (comma-separated names, default DEFAULT_PIPELINE) and the quant options
     (`lm_head_bits`: 8 or 4 for the LM head, default 8; `awq`: the awq pass before quantize_weights, with the same
     options; per-channel int8 weights take the smoothquant pass there; `gptq`: the gptq pass in quantize_weights'
     place; `scale_dtype`: "float16" keeps the quantized weights' scales in 16 bits). `all_logits` leaves out
     last_token_logits (perplexity scores every position). `embed`: a text-embedding model pooled so (last or
-    mean), the embed pass first."""
+    mean), the embed pass first. `lora`: the lora pass's options (rank, max_loras, targets), on the captured graph
+    before any fusion."""
     names = list(DEFAULT_PIPELINE) if passes is None else passes
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
@@ -103,6 +105,9 @@ def build_pipeline(
     pipeline: list[PassSpec] = [n for n in names if not (all_logits and n == "last_token_logits")]
     if embed is not None:  # on the captured graph, after canonicalize when it is there
         pipeline.insert(int(bool(pipeline) and pipeline[0] == "canonicalize"), ("embed", {"pooling": embed}))
+    if lora is not None:  # after canonicalize and eager_attention, before the fusions see the linears
+        fusing = [i for i, name in enumerate(pipeline) if name in FUSION or name == "kv_cache"]
+        pipeline.insert(fusing[0] if fusing else len(pipeline), ("lora", dict(lora)))
     options = parse_quant(quant)
     if options is None and (keep or quantize_embedding or lm_head_bits or awq or gptq or scale_dtype):
         raise PassError("--keep, --quant-embedding, --lm-head-bits, --awq, --gptq and --scale-dtype need --quant")

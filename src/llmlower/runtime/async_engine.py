@@ -18,17 +18,20 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from ..errors import GenerationError, RequestFailed
 from .engine import Engine
 from .engine_core import EngineStats
 from .intake import params_per_prompt
+from .lora import LoraAdapter
 from .outputs import GenerationDelta, GenerationResult
 from .request import Prompt
 from .sampling_params import SamplingParams
 from .structured import StructuredOutput
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -124,6 +127,31 @@ class AsyncEngine:
             limit = f"{self.grammar_seconds:g} s"
             field = f"structured_output.{output.kind}"
             raise GenerationError(f"{field}: took longer than {limit} to compile", field) from None
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read a PEFT adapter in a worker thread, then load it on the engine thread between two steps."""
+        adapter = await asyncio.to_thread(LoraAdapter.read, path)
+        await self._call(lambda: self.engine.adapters.load(name, adapter))
+
+    async def unload_lora(self, name: str) -> bool:
+        """Unload an adapter on the engine thread (False: none of that name); requests using it finish with it."""
+        return await self._call(lambda: self.engine.adapters.unload(name))
+
+    async def _call(self, command: Callable[[], T]) -> T:
+        """Run `command` on the engine thread before its next step; its result, or its exception raised here."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = command()
+            except Exception as exc:
+                loop.call_soon_threadsafe(_settle, done, exc)
+                return
+            loop.call_soon_threadsafe(_settle, done, None, result)
+
+        self._send(run)
+        return await done
 
     async def close(self) -> None:
         """Stop the engine thread once it has finished its current step (unfinished requests are aborted)."""
@@ -262,9 +290,9 @@ def _put_all(batch: list[tuple[asyncio.Queue, GenerationDelta]]) -> None:
         target.put_nowait(delta)
 
 
-def _settle(future: asyncio.Future, error: Exception | None) -> None:
+def _settle(future: asyncio.Future, error: Exception | None, result: Any = None) -> None:
     if not future.done():
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)

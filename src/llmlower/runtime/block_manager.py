@@ -52,6 +52,7 @@ class _Table:
     hashes: list[bytes] = field(default_factory=list)
     slot: int = -1  # its slot (SLOTS) or its recurrent-state row (PAGED, hybrid models); -1 when it has none
     fork_slots: list[int] = field(default_factory=list)  # held from admission for its n > 1 forks
+    salt: bytes = b""  # the root of its hashes (admit's salt)
 
 
 class BlockManager:
@@ -116,19 +117,23 @@ class BlockManager:
 
     # ---------------------------------------------------------------- admission
 
-    def admit(self, seq_id: int, token_ids: Sequence[int], reserve: int = 0, width: int = 1) -> int | None:
+    def admit(
+        self, seq_id: int, token_ids: Sequence[int], reserve: int = 0, width: int = 1, salt: bytes = b""
+    ) -> int | None:
         """Start a sequence: find its cached prefix and make sure its prompt can be placed. Returns how many of
         its tokens are already cached (its KV need not be computed), or None when the pool cannot take it now
         while keeping `reserve` blocks free for the running sequences (nothing is held then). `width`: the
         sequences it will fork into (an n > 1 request), each needing a slot of its own in the SLOTS layout: those
-        are taken now, so a fork never finds the slots gone to later requests."""
+        are taken now, so a fork never finds the slots gone to later requests. `salt`: the root of its blocks'
+        hashes (b"": the base model's; a LoRA adapter's own), so only KV computed the same way is shared."""
         if seq_id in self.tables:
             raise GenerationError(f"sequence {seq_id} already holds blocks")
-        hits = self._cached_prefix(token_ids)
+        hits = self._cached_prefix(token_ids, salt)
         if self.blocks_per_slot is not None:
             if len(self.free_slots) < width:
                 return None
             cached = self._admit_to_slot(seq_id, token_ids, hits)
+            self.tables[seq_id].salt = salt
             self.tables[seq_id].fork_slots = [self.free_slots.popitem(last=False)[0] for _ in range(width - 1)]
             return cached
         new_blocks = self.blocks_needed(len(token_ids)) - len(hits)  # room for the whole prompt
@@ -137,7 +142,7 @@ class BlockManager:
             return None
         if self.num_slots and len(self.free_slots) < width:  # a recurrent-state row for it and each fork
             return None
-        table = self.tables[seq_id] = _Table()
+        table = self.tables[seq_id] = _Table(salt=salt)
         if self.num_slots:  # a recurrent-state row for it and each of its forks
             table.slot, *table.fork_slots = (self.free_slots.popitem(last=False)[0] for _ in range(width))
         for block in hits:
@@ -147,16 +152,16 @@ class BlockManager:
         self._count_lookup(len(token_ids), len(hits))
         return len(hits) * self.block_size
 
-    def cached_tokens(self, token_ids: Sequence[int]) -> int:
+    def cached_tokens(self, token_ids: Sequence[int], salt: bytes = b"") -> int:
         """How many of token_ids' first tokens the cache holds now (admit would start after them); changes nothing."""
-        return len(self._cached_prefix(token_ids)) * self.block_size
+        return len(self._cached_prefix(token_ids, salt)) * self.block_size
 
-    def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def _cached_prefix(self, token_ids: Sequence[int], salt: bytes = b"") -> list[int]:
         """Blocks holding the longest cached prefix of token_ids, leaving at least one token to compute (its
         logits are the ones sampled)."""
         if not self.enable_prefix_caching:
             return []
-        hits, parent = [], b""
+        hits, parent = [], salt
         for start in range(0, len(token_ids) - self.block_size, self.block_size):
             parent = block_hash(parent, token_ids[start : start + self.block_size])
             block = self.cached.get(parent)
@@ -234,7 +239,7 @@ class BlockManager:
         table = self.tables[seq_id]
         while (len(table.hashes) + 1) * self.block_size <= computed:
             start = len(table.hashes) * self.block_size
-            parent = table.hashes[-1] if table.hashes else b""
+            parent = table.hashes[-1] if table.hashes else table.salt
             digest = block_hash(parent, token_ids[start : start + self.block_size])
             table.hashes.append(digest)
             if self.enable_prefix_caching:
@@ -262,7 +267,7 @@ class BlockManager:
             if not source.fork_slots:
                 raise GenerationError(f"sequence {parent} was admitted without a KV slot for another completion")
             slot = source.fork_slots.pop()
-            table = self.tables[child] = _Table(slot=slot, hashes=list(source.hashes))
+            table = self.tables[child] = _Table(slot=slot, hashes=list(source.hashes), salt=source.salt)
             for index in range(self.blocks_per_slot):  # the child rewrites the whole slot: its old prefix is gone
                 self._forget(slot * self.blocks_per_slot + index)
             for index, block in enumerate(source.blocks):
@@ -273,7 +278,7 @@ class BlockManager:
             return
         for block in source.blocks:
             self.refs[block] += 1
-        table = self.tables[child] = _Table(list(source.blocks), list(source.hashes))
+        table = self.tables[child] = _Table(list(source.blocks), list(source.hashes), salt=source.salt)
         if self.num_slots:  # its recurrent state starts as the parent's
             if not source.fork_slots:
                 raise GenerationError(f"sequence {parent} was admitted without a state row for another completion")

@@ -30,6 +30,7 @@ from .engine_core import EngineCore, EngineStats
 from .executor import Executor
 from .executors import load_executor
 from .intake import RequestIntake, params_per_prompt
+from .lora import LoraAdapter, LoraAdapters
 from .output_processor import OutputProcessor
 from .outputs import GenerationDelta, GenerationResult
 from .proposers import make_proposer
@@ -107,10 +108,11 @@ class Engine:
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, lookahead, executor.max_context
         )
         self.proposer = make_proposer(speculative, draft, executor, self.sampler, self.blocks.block_table)
-        self.intake = RequestIntake(tokenizer, spec, executor, self.blocks, config.max_num_seqs)
+        self.adapters = LoraAdapters(executor.lora)
+        self.intake = RequestIntake(tokenizer, spec, executor, self.blocks, config.max_num_seqs, self.adapters)
         outputs = OutputProcessor(executor.max_context, speculating=self.proposer is not None)
         self.core = EngineCore(
-            executor, draft, self.blocks, self.scheduler, self.sampler, self.proposer, outputs, pooling
+            executor, draft, self.blocks, self.scheduler, self.sampler, self.proposer, outputs, pooling, self.adapters
         )
         self.requests = self.core.requests
         self._driver = threading.Lock()
@@ -123,13 +125,15 @@ class Engine:
         threads: int = 0,
         weights: str = "auto",
         weights_seed: int = 0,
+        loras: Mapping[str, str | Path | LoraAdapter] | None = None,
         **limits: int | bool | None,
     ) -> Engine:
         """An Engine on a compiled artifact (code: TVM's model.so and MLIR modules run natively in this process, so
         only artifacts you trust); needs only numpy, tokenizers, jinja2 and the backend's runtime.
         `config` or EngineConfig's fields as keywords (max_num_seqs=4, max_context=512, ...) set its limits.
         `weights`: "auto" reads the artifact's weights file; "random" makes up every weight the manifest lists
-        from `weights_seed` instead (dummy weights, for speed runs where the weights file is absent)."""
+        from `weights_seed` instead (dummy weights, for speed runs where the weights file is absent).
+        `loras`: PEFT adapter directories to load by name (an artifact compiled with --lora-rank)."""
         source = WeightSource(weights, weights_seed)
         config = config or EngineConfig(**limits)
         artifact = Path(artifact)
@@ -168,7 +172,10 @@ class Engine:
                 raise GenerationError(f"draft model {path}: its tokenizer or vocabulary differs from {artifact}'s")
             draft = load_executor(path, draft_manifest, num_blocks, block_size, context, threads, source)
         pooling = embedding_pooling(manifest["pipeline"])
-        return cls(executor, tokenizer, spec, config=config, draft=draft, pooling=pooling)
+        engine = cls(executor, tokenizer, spec, config=config, draft=draft, pooling=pooling)
+        for name, path in (loras or {}).items():
+            engine.load_lora(name, path)
+        return engine
 
     # ---------------------------------------------------------------- requests
 
@@ -198,6 +205,24 @@ class Engine:
             request = self.intake.request(ids, params, request_id)
             self.core.add(request)
             return request.request_id
+
+    def load_lora(self, name: str, adapter: str | Path | LoraAdapter) -> None:
+        """Load a PEFT LoRA adapter (a directory with adapter_config.json and adapter_model.safetensors, or one
+        read already) into a free adapter slot; requests then ask for it by name (SamplingParams.lora)."""
+        if not isinstance(adapter, LoraAdapter):
+            adapter = LoraAdapter.read(adapter)  # the files are read before the engine is held
+        with self._driving():
+            self.adapters.load(name, adapter)
+
+    def unload_lora(self, name: str) -> bool:
+        """Unload an adapter (False: none is loaded under `name`); requests using it finish with it."""
+        with self._driving():
+            return self.adapters.unload(name)
+
+    @property
+    def loras(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        return self.adapters.names()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; False if it is unknown or already finished."""

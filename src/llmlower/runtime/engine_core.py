@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import GenerationError
 from .block_manager import BlockManager
 from .executor import Executor, StepBatch
+from .lora import LoraAdapters
 from .output_processor import OutputProcessor, deliver
 from .outputs import GenerationDelta, TokenLogprob
 from .proposers import Proposer
@@ -66,10 +67,12 @@ class EngineCore:
         proposer: Proposer | None,
         outputs: OutputProcessor,
         pooling: str | None = None,
+        adapters: LoraAdapters | None = None,
     ) -> None:
         """`pooling`: an embedding model's (last or mean): a computed prompt is pooled into its embedding, and
-        nothing is sampled."""
+        nothing is sampled; `adapters`: the LoRA adapters in the executor's slots, whose requests hold theirs."""
         self.executor = executor
+        self.adapters = adapters or LoraAdapters(None)
         self.pooling = pooling
         self.draft = draft
         self.blocks = blocks
@@ -88,6 +91,7 @@ class EngineCore:
     def add(self, request: Request) -> None:
         """Queue a request's first sequence (the others fork from it once its prompt is computed)."""
         if request.request_id in self.requests:
+            self.adapters.release(request.lora_slot)
             raise GenerationError(f"request_id {request.request_id!r} is already in use")
         self.scheduler.add(request.sequences[0])
         self.requests[request.request_id] = request
@@ -105,6 +109,7 @@ class EngineCore:
                 if sequence not in request.forks:
                     self._retire(sequence)
         request.forks = []
+        self._release_adapter(request)
         if request.outbox is None:
             del self.requests[request_id]
         return True
@@ -171,6 +176,7 @@ class EngineCore:
             block_tables=[self.blocks.block_table(s.sequence.seq_id) for s in scheduled],
             num_logits=self._rows(scheduled, proposals),
             state_slots=[slot_of(s.sequence.seq_id) for s in scheduled] if self.executor.states else None,
+            lora_slots=[s.sequence.request.lora_slot for s in scheduled] if self.executor.lora else None,
         )
         started = time.perf_counter()
         for item in scheduled:
@@ -339,3 +345,10 @@ class EngineCore:
         self.scheduler.remove(sequence)
         if self.proposer is not None:
             self.proposer.finished(sequence.seq_id)
+        self._release_adapter(sequence.request)
+
+    def _release_adapter(self, request: Request) -> None:
+        """A request that is done gives its LoRA adapter's slot back (once)."""
+        if request.done and request.lora_slot >= 0:
+            self.adapters.release(request.lora_slot)
+            request.lora_slot = -1

@@ -25,12 +25,14 @@ from ..step_io import (
     INPUT_IDS,
     INPUT_LENS,
     LOGITS_INDICES,
+    LORA_SLOTS,
     PAST_LENS,
     POSITION_IDS,
     STATE_SLOTS,
     KVLayout,
     state_layer,
 )
+from .lora import LoraBank
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,21 @@ class StepBatch:
     decode), how many it already has in the cache, and its block table (covering past and new tokens).
     `num_logits`: how many of each sequence's last new tokens get logits (default one: the last; k + 1 when
     verifying k speculative tokens). `state_slots`: each sequence's row of the recurrent states (a hybrid model's
-    in the PAGED layout; in SLOTS a block table names its slot)."""
+    in the PAGED layout; in SLOTS a block table names its slot). `lora_slots`: each sequence's LoRA adapter slot
+    (-1: the base model; None: every one on the base model)."""
 
     tokens: Sequence[Sequence[int]]
     past_lens: Sequence[int]
     block_tables: Sequence[Sequence[int]]
     num_logits: Sequence[int] | None = None
     state_slots: Sequence[int] | None = None
+    lora_slots: Sequence[int] | None = None
+
+    def token_lora_slots(self, lens: np.ndarray) -> np.ndarray | None:
+        """int64 [sum(lens)]: each new token's adapter slot, the sequences' tokens one after another."""
+        if self.lora_slots is None:
+            return None
+        return np.repeat(np.asarray(self.lora_slots, dtype=np.int64), lens)
 
     def logits_counts(self) -> np.ndarray:
         """int64 [seqs]: the logits rows each sequence gets, checked against its new tokens."""
@@ -65,6 +75,7 @@ class PaddedBatch:
     past_lens: np.ndarray  # [batch]
     input_lens: np.ndarray  # [batch]
     logits_indices: np.ndarray  # [logits]: flat indices into [batch, tokens] of the rows that get logits
+    lora_slots: np.ndarray | None = None  # [batch, tokens]: each token's adapter slot (-1: none)
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,7 @@ class PackedBatch:
     block_tables: np.ndarray  # [seqs, max blocks], unused entries 0
     logits_indices: np.ndarray  # [logits]: indices into the packed row of the tokens that get logits
     state_slots: np.ndarray | None = None  # [seqs]: each sequence's row of the recurrent states (hybrid models)
+    lora_slots: np.ndarray | None = None  # [1, tokens]: each token's adapter slot (-1: none)
 
     def with_state_rows(self) -> PackedBatch:
         """Itself, or where the step names no state rows, sequences 0, 1, ... in rows 0, 1, ... (scoring, tests)."""
@@ -109,7 +121,8 @@ def pad_batch(batch: StepBatch, pad_id: int = 0) -> PaddedBatch:
         input_ids[row, : len(tokens)] = tokens
     steps = np.minimum(np.arange(width)[None, :], input_lens[:, None] - 1)
     indices = _last_indices(np.arange(len(input_lens)) * width + input_lens, batch.logits_counts())
-    return PaddedBatch(input_ids, past_lens[:, None] + steps, past_lens, input_lens, indices)
+    lora = None if batch.lora_slots is None else np.repeat(np.asarray(batch.lora_slots, np.int64)[:, None], width, 1)
+    return PaddedBatch(input_ids, past_lens[:, None] + steps, past_lens, input_lens, indices, lora)
 
 
 def pack_batch(batch: StepBatch) -> PackedBatch:
@@ -133,17 +146,22 @@ def pack_batch(batch: StepBatch) -> PackedBatch:
     ends = np.cumsum(input_lens)
     indices = ends - 1 if batch.num_logits is None else _last_indices(ends, batch.logits_counts())
     slots = None if batch.state_slots is None else np.asarray(batch.state_slots, dtype=np.int64)
-    return PackedBatch(ids, positions[None], past_lens, input_lens, tables, indices, slots)
+    lora = batch.token_lora_slots(input_lens)
+    return PackedBatch(ids, positions[None], past_lens, input_lens, tables, indices, slots, lora)
 
 
 def step_arrays(batch: PaddedBatch | PackedBatch) -> dict[str, np.ndarray]:
-    """A batch's arrays under the program inputs' names (block tables too, for a packed batch)."""
+    """A batch's arrays under the program inputs' names (block tables too, for a packed batch; each token's
+    adapter slot, -1 when the batch names none, for a program with LoRA slots)."""
+    ids = batch.input_ids
+    lora = np.full_like(ids, -1) if batch.lora_slots is None else batch.lora_slots.reshape(ids.shape)
     arrays = {
         INPUT_IDS: batch.input_ids,
         POSITION_IDS: batch.position_ids,
         PAST_LENS: batch.past_lens,
         INPUT_LENS: batch.input_lens,
         LOGITS_INDICES: batch.logits_indices,
+        LORA_SLOTS: lora,
     }
     if isinstance(batch, PackedBatch):
         arrays[BLOCK_TABLES] = batch.block_tables
@@ -171,6 +189,7 @@ class Executor(ABC):
     # or of the sequence the block manager gave state slot i (PAGED: `state_slots` rows)
     states: dict[str, np.ndarray] = {}
     num_state_slots: int = 0  # PAGED with recurrent states: the rows of each state
+    lora: LoraBank | None = None  # an artifact with LoRA slots: the adapters' weights every step takes
 
     @property
     def blocks_per_slot(self) -> int | None:

@@ -16,6 +16,7 @@ from ..spec import ModelSpec
 from .block_manager import BlockManager
 from .detokenizer import TextStream
 from .executor import Executor
+from .lora import LoraAdapters
 from .outputs import GenerationDelta
 from .request import Prompt, Request, RequestSequence
 from .sampler import SequenceSampling
@@ -28,9 +29,16 @@ class RequestIntake:
     """Validates and tokenizes requests for one engine, and builds their sequences (ids, text streams, grammars)."""
 
     def __init__(
-        self, tokenizer: Tokenizer, spec: ModelSpec, executor: Executor, blocks: BlockManager, max_num_seqs: int
+        self,
+        tokenizer: Tokenizer,
+        spec: ModelSpec,
+        executor: Executor,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        adapters: LoraAdapters,
     ) -> None:
         self.tokenizer = tokenizer
+        self.adapters = adapters
         self.spec = spec
         self.executor = executor
         self.blocks = blocks
@@ -123,6 +131,9 @@ class RequestIntake:
             )
             request.sequences.append(sequence)
         request.forks = request.sequences[1:]
+        request.lora_slot, salt = self.adapters.acquire(params.lora)  # last: nothing after it can fail
+        for sequence in request.sequences:
+            sequence.cache_salt = salt
         return request
 
     def _text_stream(self, params: SamplingParams) -> TextStream:

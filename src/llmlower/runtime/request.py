@@ -57,6 +57,7 @@ class Request:
     forks: list[RequestSequence] = field(default_factory=list)  # completions waiting for the first one's prompt
     scheduled_at: float | None = None
     outbox: deque[GenerationDelta] | None = None  # deltas kept for a generate/stream call, else step() returns them
+    lora_slot: int = -1  # the adapter slot it holds (-1: the base model), given back when it is done
 
     @property
     def done(self) -> bool:

@@ -87,6 +87,13 @@ def _check_structured_output(value: object) -> StructuredOutput | None:
     return value
 
 
+def _check_lora(value: object) -> str | None:
+    """None or an adapter's name (a non-empty str)."""
+    if value is not None and not (isinstance(value, str) and value):
+        raise _fail("lora", value, "None or a LoRA adapter's name")
+    return value
+
+
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM)
 
 
@@ -114,6 +121,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # special tokens left out of the text (tool-call markers may be special)
     structured_output: StructuredOutput | None = None  # a JSON schema, any JSON object, a regex or a grammar
+    lora: str | None = None  # the LoRA adapter that answers, by the name it was loaded under; None: the base model
 
     def __post_init__(self) -> None:
         """Check every field, raising a GenerationError that names the first bad one; normalise types."""
@@ -138,6 +146,7 @@ class SamplingParams:
             "include_stop_str_in_output": _check_bool("include_stop_str_in_output", self.include_stop_str_in_output),
             "skip_special_tokens": _check_bool("skip_special_tokens", self.skip_special_tokens),
             "structured_output": _check_structured_output(self.structured_output),
+            "lora": _check_lora(self.lora),
         }
         if checked["min_tokens"] > checked["max_tokens"]:
             raise _fail("min_tokens", self.min_tokens, f"<= max_tokens ({checked['max_tokens']})")

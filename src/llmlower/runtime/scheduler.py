@@ -36,6 +36,7 @@ class Sequence:
     num_computed: int = 0
     width: int = 1
     preemptions: int = 0  # times its KV was dropped (a draft model's cache of it is then stale too)
+    cache_salt: bytes = b""  # where its prefix-cache hashes start: KV computed by a LoRA adapter is its own
 
     @property
     def num_uncomputed(self) -> int:
@@ -117,7 +118,9 @@ class Scheduler:
             sequence = self.waiting[0]
             if len(self.running) + sequence.width > self.max_num_seqs or self._sliver(sequence, budget, room):
                 break
-            cached = self.blocks.admit(sequence.seq_id, sequence.token_ids, len(self.running), sequence.width)
+            cached = self.blocks.admit(
+                sequence.seq_id, sequence.token_ids, len(self.running), sequence.width, sequence.cache_salt
+            )
             if cached is None:
                 break
             count = min(len(sequence.token_ids) - cached, budget)
@@ -136,7 +139,7 @@ class Scheduler:
         the step's `room`."""
         if len(sequence.token_ids) <= budget or 2 * budget >= room:
             return False
-        return len(sequence.token_ids) - self.blocks.cached_tokens(sequence.token_ids) > budget
+        return len(sequence.token_ids) - self.blocks.cached_tokens(sequence.token_ids, sequence.cache_salt) > budget
 
     def _lookahead(self, sequence: Sequence, budget: int) -> int:
         """Speculative room for a decoding sequence (one token to compute, its prompt done): k, or what the

@@ -14,7 +14,7 @@ import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTasks
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import GenerationError, RequestFailed
+from ..errors import ArgumentError, GenerationError, RequestFailed
 from ..runtime import AsyncEngine, GenerationResult, SamplingParams
 from ..runtime.async_engine import RequestStream
 from . import errors
@@ -38,7 +38,15 @@ from .errors import APIError
 from .limits import LimitExceeded, RequestLimits
 from .metrics import Metrics
 from .responses import Formatter, embedding_response, sse, usage
-from .schemas import ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
+from .schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    LoadLoraRequest,
+    TokenizeRequest,
+    UnloadLoraRequest,
+)
 from .tools import ChatPrompt, chat_prompt
 
 
@@ -46,7 +54,8 @@ from .tools import ChatPrompt, chat_prompt
 class ServerConfig:
     """`max_waiting`: sequences that may wait beyond the engine's max_num_seqs before new requests get 429;
     `max_body_bytes`: larger request bodies get 413; `limits`: what one request may ask for (400 beyond);
-    `request_timeout`: seconds a request may run before it is aborted (408), None for no limit."""
+    `request_timeout`: seconds a request may run before it is aborted (408), None for no limit; `lora_loading`:
+    clients with the key may load adapters from this machine's paths and unload them."""
 
     model_name: str
     api_key: str | None = None
@@ -54,6 +63,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     limits: RequestLimits = RequestLimits()
     request_timeout: float | None = 600.0
+    lora_loading: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter are served
 
 
 NO_DEADLINE = 1e9  # seconds: no --request-timeout, as a deadline that never comes
@@ -158,13 +168,40 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(admitted)])
     async def models() -> dict[str, Any]:
-        card = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "llmlower"}
-        return {"object": "list", "data": [{**card, "max_model_len": max_context}]}
+        card = {"object": "model", "created": int(time.time()), "owned_by": "llmlower", "max_model_len": max_context}
+        base = {**card, "id": config.model_name, "root": config.model_name, "parent": None}
+        adapters = [{**card, "id": name, "root": name, "parent": config.model_name} for name in engine.engine.loras]
+        return {"object": "list", "data": [base, *adapters]}
 
-    def named(model: str | None) -> None:
-        """404 for a request naming another model."""
-        if model is not None and model != config.model_name:
-            raise APIError(404, f"the model `{model}` does not exist", "model", "model_not_found")
+    def named(model: str | None) -> str | None:
+        """The LoRA adapter a request's model names (None: the base model); 404 for any other name."""
+        if model is None or model == config.model_name:
+            return None
+        if model in engine.engine.loras:
+            return model
+        raise APIError(404, f"the model `{model}` does not exist", "model", "model_not_found")
+
+    if config.lora_loading:
+
+        @app.post("/v1/load_lora_adapter", dependencies=[Depends(admitted)])
+        async def load_lora_adapter(body: LoadLoraRequest) -> dict[str, Any]:
+            """Load a PEFT adapter directory of this machine into a free slot under lora_name."""
+            if body.lora_name == config.model_name:
+                raise APIError(400, "lora_name: the base model's name", "lora_name", "invalid_value")
+            try:
+                await engine.load_lora(body.lora_name, body.lora_path)
+            except ArgumentError as error:
+                param = "lora_path" if body.lora_path in str(error) else "lora_name"
+                raise APIError(400, str(error), param, "invalid_value") from None
+            return {"object": "lora_adapter", "id": body.lora_name, "status": "loaded"}
+
+        @app.post("/v1/unload_lora_adapter", dependencies=[Depends(admitted)])
+        async def unload_lora_adapter(body: UnloadLoraRequest) -> dict[str, Any]:
+            """Unload an adapter; requests using it finish with it."""
+            if not await engine.unload_lora(body.lora_name):
+                message = f"the LoRA adapter `{body.lora_name}` is not loaded"
+                raise APIError(404, message, "lora_name", "model_not_found")
+            return {"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"}
 
     @app.post("/tokenize", dependencies=[Depends(admitted)])
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -240,7 +277,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/embeddings", dependencies=[Depends(admitted)])
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         """An embedding model's vectors of the inputs, batched with every other request."""
-        named(body.model)
+        adapter = named(body.model)
         if engine.engine.pooling is None:
             message = f"the model `{body.model}` generates text: embeddings need a model compiled with --task embed"
             raise APIError(400, message, "model", "invalid_value")
@@ -261,7 +298,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 message = f"input: {longest} tokens exceed the context of {max_context - 1} tokens"
                 raise APIError(400, message, "input", "context_length_exceeded")
             try:
-                stream = await engine.submit(ids, SamplingParams(max_tokens=1), chat=False)
+                stream = await engine.submit(ids, SamplingParams(max_tokens=1, lora=adapter), chat=False)
             except RequestFailed as error:
                 raise stream_error(error) from None
             except GenerationError as error:
@@ -275,7 +312,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 timer.cancel()
         finally:
             release()
-        return JSONResponse(embedding_response(results, config.model_name, body.encoding_format, body.dimensions))
+        model = adapter or config.model_name
+        return JSONResponse(embedding_response(results, model, body.encoding_format, body.dimensions))
 
     async def admitted_request(
         body: ChatRequest | CompletionRequest,
@@ -305,6 +343,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         field = "messages" if chat else "prompt"
         longest = max(len(p) for p in ids)
         params = await checked_params(body, max(1, max_context - longest) if chat else COMPLETIONS_MAX_TOKENS, chat)
+        adapter = named(body.model)
+        params = replace(params, lora=adapter)
         asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
         if longest + (asked or 1) > max_context:  # without max_tokens, generation stops at the context
             what = f"{longest} prompt tokens" + (f" + max_tokens {asked}" if asked else "")
@@ -318,7 +358,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             message = str(error)
             refusal = structured_error(error, body) or APIError(400, message, _param(error, field), "invalid_value")
             raise refusal from None
-        formatter = Formatter(tokenizer, config.model_name, params.n, chat)
+        formatter = Formatter(tokenizer, adapter or config.model_name, params.n, chat)
         timer = deadline(stream, release)
         if body.stream:
             with_usage = bool(body.stream_options and body.stream_options.include_usage)

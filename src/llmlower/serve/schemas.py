@@ -220,6 +220,21 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoraRequest(BaseModel):
+    """A /v1/load_lora_adapter request: a PEFT adapter directory on the server's machine, and its name in the API."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(BaseModel):
+    """A /v1/unload_lora_adapter request."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str = Field(min_length=1)
+
+
 class EmbeddingRequest(BaseModel):
     """A /v1/embeddings request: texts or token ids; `dimensions` keeps the leading ones (renormalized), as models
     trained for it (Matryoshka) allow; base64 is little-endian float32."""

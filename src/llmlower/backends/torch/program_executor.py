@@ -26,6 +26,7 @@ from ...runtime.executor import (
     step_arrays,
     step_logits,
 )
+from ...runtime.lora import LoraBank
 from ...step_io import DEFAULT_BLOCK_SIZE, DEFAULT_SEQUENCES, LOGITS, LOGITS_INDICES, KVLayout, cache_layer
 
 
@@ -65,6 +66,7 @@ class TorchExecutor(Executor):
             else:  # [slots, kv_heads, slot positions, head_dim]
                 shape = (self.num_blocks // per_sequence, t.shape[1], per_sequence * self.block_size, t.shape[3])
             self.caches[t.name] = torch.zeros(shape, dtype=getattr(torch, t.dtype))  # the model's, or int8
+        self.lora = LoraBank.of_step([t.to_dict() for t in program.inputs], [r.to_dict() for r in program.history])
 
     @property
     def all_positions(self) -> bool:
@@ -92,6 +94,11 @@ class TorchExecutor(Executor):
             return self._run_paged(batch)
         return self._run_slots(batch)
 
+    def _inputs(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """The step's arrays and the adapter slots' weights as tensors."""
+        lora = {} if self.lora is None else self.lora.arrays
+        return {name: torch.from_numpy(array) for name, array in {**arrays, **lora}.items()}
+
     def _run_paged(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         """Run on the blocks the step's tables name (renumbered 0..n-1) and store them back."""
         packed = pack_batch(batch)
@@ -103,7 +110,7 @@ class TorchExecutor(Executor):
             slots, local_slots = np.unique(packed.state_slots, return_inverse=True)
             packed = replace(packed, state_slots=local_slots.astype(np.int64))
         arrays = step_arrays(packed)
-        inputs = {name: torch.from_numpy(array) for name, array in arrays.items()}
+        inputs = self._inputs(arrays)
         inputs.update({name: cache[rows] for name, cache in self.caches.items()})
         inputs.update(
             {name: torch.from_numpy(state[slots]).to(self.state_dtypes[name]) for name, state in self.states.items()}
@@ -122,7 +129,7 @@ class TorchExecutor(Executor):
         used = int((padded.past_lens + padded.input_lens).max())
         rows = torch.as_tensor(slots)
         arrays = step_arrays(padded)
-        inputs = {name: torch.from_numpy(array) for name, array in arrays.items()}
+        inputs = self._inputs(arrays)
         inputs.update({name: cache[rows, :, :used] for name, cache in self.caches.items()})
         inputs.update(
             {name: torch.from_numpy(state[slots]).to(self.state_dtypes[name]) for name, state in self.states.items()}

@@ -32,6 +32,7 @@ from ..executor import (
     step_arrays,
     step_logits,
 )
+from ..lora import LoraBank
 from ..weights import ARTIFACT_WEIGHTS, WeightSource
 
 DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
@@ -117,8 +118,10 @@ class OnnxSlotExecutor(SlotExecutor):
         optimization: str = "all",
         profile: bool = False,
         initializers: Mapping[str, np.ndarray] | None = None,
+        lora: LoraBank | None = None,
     ) -> None:
-        """`initializers`: values for the model's external initializers, instead of its weights file."""
+        """`initializers`: values for the model's external initializers, instead of its weights file; `lora`: the
+        adapter slots of a model compiled with them, bound once (loading an adapter writes into them)."""
         options = session_options(threads, optimization, profile)
         self._initializers = external_initializers(options, initializers)
         try:
@@ -136,6 +139,9 @@ class OnnxSlotExecutor(SlotExecutor):
         self.bound = BoundStep(self.session)
         self.all_positions = self.bound.all_positions
         self.bound_rows: tuple[int, int] | None = None  # (first slot, count) the caches are bound for
+        self.lora = lora
+        for name, array in ({} if lora is None else lora.arrays).items():
+            self.bound.binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
     @classmethod
     def from_artifact(
@@ -152,7 +158,8 @@ class OnnxSlotExecutor(SlotExecutor):
             raise GenerationError(f"{artifact}: a per-sequence-cache ONNX artifact runs on the CPU EP only")
         model = str(artifact / manifest["entry_points"]["step"]["file"])
         initializers = weights.made_up(artifact, manifest)
-        return cls(model, max_context, num_blocks, block_size, threads=threads, initializers=initializers)
+        lora = LoraBank.of_step(manifest["entry_points"]["step"]["inputs"], manifest["pipeline"])
+        return cls(model, max_context, num_blocks, block_size, threads=threads, initializers=initializers, lora=lora)
 
     def step(self, batch: StepBatch) -> np.ndarray:
         self.check_step(batch)
@@ -167,30 +174,36 @@ class OnnxSlotExecutor(SlotExecutor):
                 [slots[i] for i in decodes],
                 [batch.tokens[i][0] for i in decodes],
                 [batch.past_lens[i] for i in decodes],
+                None if batch.lora_slots is None else [batch.lora_slots[i] for i in decodes],
             )
             for i, row in zip(decodes, rows, strict=True):
                 logits[i] = row[None]
         for i, tokens in enumerate(batch.tokens):
             if len(tokens) > 1:
-                one = StepBatch([tokens], [batch.past_lens[i]], [batch.block_tables[i]], [int(counts[i])])
+                lora = None if batch.lora_slots is None else [batch.lora_slots[i]]
+                one = StepBatch([tokens], [batch.past_lens[i]], [batch.block_tables[i]], [int(counts[i])], None, lora)
                 padded = pad_batch(one)
                 logits[i] = step_logits(self._run(slots[i], padded), padded.logits_indices, self.all_positions)
         return np.concatenate(logits)
 
-    def _decode(self, slots: list[int], tokens: list[int], past: list[int]) -> np.ndarray:
-        """One token for each slot in one run over the slots' whole range; logits in the given order."""
+    def _decode(self, slots: list[int], tokens: list[int], past: list[int], lora: list[int] | None) -> np.ndarray:
+        """One token for each slot in one run over the slots' whole range (`lora`: each one's adapter slot);
+        logits in the given order."""
         first, last = min(slots), max(slots)
         count = last - first + 1
         ids = np.zeros((count, 1), dtype=np.int64)
         past_lens = np.zeros(count, dtype=np.int64)
         rows = np.array(slots) - first
         ids[rows, 0], past_lens[rows] = tokens, past
+        adapters = np.full((count, 1), -1, dtype=np.int64)
+        if lora is not None:
+            adapters[rows, 0] = lora
         saved, saved_states = {}, {}
         if count > len(slots):  # rows in between: a throwaway token at position 0, their first entry and state kept
             idle = np.setdiff1d(np.arange(first, last + 1), slots)
             saved = {name: cache[idle, :, 0].copy() for name, cache in self.caches.items()}
             saved_states = {name: state[idle].copy() for name, state in self.states.items()}
-        padded = PaddedBatch(ids, past_lens[:, None], past_lens, np.ones(count, dtype=np.int64), rows)
+        padded = PaddedBatch(ids, past_lens[:, None], past_lens, np.ones(count, dtype=np.int64), rows, adapters)
         logits = self._run(first, padded)
         for name, values in saved.items():
             self.caches[name][idle, :, 0] = values

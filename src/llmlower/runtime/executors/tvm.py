@@ -46,6 +46,7 @@ from ..executor import (
     step_arrays,
     step_logits,
 )
+from ..lora import LoraBank
 from ..weights import ARTIFACT_WEIGHTS, WeightSource
 
 STEP, COPY_BLOCKS = "step", "copy_blocks"
@@ -144,6 +145,13 @@ def aligned_empty(size: int, dtype: np.dtype, alignment: int = 64) -> np.ndarray
     return space[start : start + size * dtype.itemsize].view(dtype)
 
 
+def aligned_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """A zeroed array at a 64-byte address (a TVM tensor's data, shared without a copy)."""
+    array = aligned_empty(math.prod(shape), np.dtype(dtype)).reshape(shape)
+    array[...] = 0
+    return array
+
+
 class TvmExecutor(Executor):
     def __init__(
         self,
@@ -160,11 +168,13 @@ class TvmExecutor(Executor):
         all_positions: bool = False,
         threads: int = 0,
         states: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
+        lora: LoraBank | None = None,
     ) -> None:
         """`inputs`: the step function's data inputs in call order (the weights follow them, in `weights`'
         order); `pools`: each KV pool's (kv_heads, head_dim), every pool of its own (values of their own head
         size, MLA's latent); `all_positions`: the step returns every packed token's logits (no last_token_logits);
-        `states`: a hybrid model's recurrent states, name -> (one sequence's shape, dtype)."""
+        `states`: a hybrid model's recurrent states, name -> (one sequence's shape, dtype); `lora`: the adapter
+        slots of a model compiled with them (on the CPU the step reads their arrays in place)."""
         self.threads, self._pooled = threads, threading.local()
         self.states = {}
         self.kv_layout = KVLayout.PAGED
@@ -190,6 +200,9 @@ class TvmExecutor(Executor):
                 rows[:] = 0
                 self.states[name] = rows.reshape(self.num_state_slots, *shape)
                 self.pools[name] = tvm.runtime.from_dlpack(self.states[name])
+        self.lora = lora
+        for name, array in ({} if lora is None else lora.arrays).items():
+            self.pools[name] = tvm.runtime.from_dlpack(array) if self.on_cpu else tvm.runtime.tensor(array, self.device)
         missing = [name for name in self.pools if name not in self.inputs]
         if missing:
             raise GenerationError(f"the step function takes no pools {', '.join(missing)}")
@@ -239,6 +252,7 @@ class TvmExecutor(Executor):
                 for t in step["inputs"]
                 if state_layer(t["name"]) is not None
             },
+            lora=LoraBank.of_step(step["inputs"], manifest["pipeline"], aligned_zeros),
         )
 
     def step(self, batch: StepBatch) -> np.ndarray:
