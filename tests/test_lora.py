@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from llmlower.api import compile_artifact
+from llmlower.cli import main
 from llmlower.errors import ArgumentError, GenerationError
 from llmlower.passes import build_pipeline
 from llmlower.runtime import Engine, SamplingParams
@@ -182,3 +183,17 @@ def test_the_server_selects_loads_and_unloads_adapters(artifacts, adapters, expe
         with pytest.raises(openai.NotFoundError, match="`all` does not exist"):
             complete("all")
         assert complete("attn") == decode(expected["attn", 0])
+
+
+def test_generate_loads_an_adapter_from_the_command_line(checkpoint, artifacts, adapters, capsys):
+    """`generate --lora NAME=PATH --lora-name NAME` answers with the adapter: on an artifact with slots, and on the
+    torch reference from the checkpoint, whose slots the adapter sizes; a malformed --lora is refused."""
+    for model, extra in ((artifacts["onnx"], []), (checkpoint, ["--backend", "torch"])):
+        flags = ["--prompt", "Hi", "--raw", "--json", "--max-tokens", str(NEW_TOKENS), "--ignore-eos"]
+        adapter = ["--lora", f"all={adapters['all']}", "--lora-name", "all"]
+        assert main(["generate", str(model), *flags, *adapter, *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        merged = adapters["all"].with_name("all-merged")
+        assert out["token_ids"] == transformers_greedy(merged, out["prompt_token_ids"], NEW_TOKENS), model
+    assert main(["generate", str(artifacts["onnx"]), "--prompt", "Hi", "--lora", "all"]) == 1
+    assert "--lora 'all': expected NAME=PATH" in capsys.readouterr().err

@@ -396,8 +396,9 @@ def text_perplexity(
     return result, history
 
 
-def recipe_pipeline(settings: dict[str, Any]) -> list[PassSpec]:
-    """The default pipeline with a recipe's quantization (recipes.Choice.settings)."""
+def recipe_pipeline(settings: dict[str, Any], lora: dict[str, Any] | None = None) -> list[PassSpec]:
+    """The default pipeline with a recipe's quantization (recipes.Choice.settings) and `lora`'s adapter slots (the
+    lora pass's options: rank, max_loras, targets)."""
     from .passes import build_pipeline
 
     return build_pipeline(
@@ -407,14 +408,17 @@ def recipe_pipeline(settings: dict[str, Any]) -> list[PassSpec]:
         awq=settings["awq"],
         gptq=settings["gptq"],
         scale_dtype=settings["scale_dtype"],
+        lora=lora,
     )
 
 
-def compile_model(model: str | Path, output: str | Path, recipe: str = "auto", **options: Any) -> Path:
+def compile_model(
+    model: str | Path, output: str | Path, recipe: str = "auto", lora: dict[str, Any] | None = None, **options: Any
+) -> Path:
     """Compile MODEL into an artifact at `output` by a recipe (a name in recipes.RECIPES, or auto: the fastest
     within the quality gate here): backend=, quant=, gptq=, awq=, scale_dtype=, lm_head_bits= and kv_cache_dtype=
-    given as keywords win over the recipe's; the other keywords are compile_artifact's. The choice and why are in
-    the manifest's `recipe`."""
+    given as keywords win over the recipe's; `lora`: adapter slots (rank, max_loras, targets); the other keywords
+    are compile_artifact's. The choice and why are in the manifest's `recipe`."""
     from .recipes import choose, recipe_settings
 
     choice = choose(recipe, {name: options.pop(name) for name in recipe_settings() if name in options})
@@ -422,7 +426,7 @@ def compile_model(model: str | Path, output: str | Path, recipe: str = "auto", *
     return compile_artifact(
         model,
         output,
-        recipe_pipeline(settings),
+        recipe_pipeline(settings, lora),
         backend=settings["backend"],
         kv_cache_dtype=settings["kv_cache_dtype"],
         recipe=choice.to_dict(),

@@ -23,6 +23,10 @@ present_<name>) an updated output of the step like the caches. In the PAGED layo
 [state slots, ...] like the KV pools, each sequence's row named by `state_slots` [seqs] (the block manager gives
 each sequence one), updated in place. A state is that of the sequence after its past_lens tokens; a sequence with
 past_lens 0 starts from zeros whatever its row holds.
+
+A program with LoRA adapter slots (the lora pass) also takes `lora_slots`, each token's slot (-1: the base model),
+shaped as input_ids, and per adapted linear `lora_a__<module>` [in, slots * rank] and `lora_b__<module>`
+[slots * rank, out]: every slot's adapter side by side, which the runtime fills as adapters load.
 """
 
 from __future__ import annotations

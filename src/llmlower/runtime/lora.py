@@ -132,6 +132,7 @@ class LoraBank:
     ) -> None:
         """`allocate(shape, dtype)`: zeroed arrays where the executor needs them (a TVM tensor's alignment)."""
         self.rank, self.slots = rank, slots
+        self.version = 0  # bumped by every write: a device copy of the arrays is stale when its version differs
         self.arrays = {name: allocate(tuple(shape), np.float32) for name, shape in shapes.items()}
         self.modules = sorted({lora_module(name) for name in self.arrays})
 
@@ -176,6 +177,7 @@ class LoraBank:
         """Put an adapter in `slot` (None: clear it)."""
         if adapter is not None:
             self.check(adapter)
+        self.version += 1
         columns = slice(slot * self.rank, (slot + 1) * self.rank)
         for name, array in self.arrays.items():
             if name.startswith(LORA_PREFIXES[0]):

@@ -28,6 +28,7 @@ from ..executor import (
     step_logits,
 )
 from ..linalg_jit import LinalgFunction
+from ..lora import LoraBank
 from ..weights import ARTIFACT_WEIGHTS, WeightSource
 
 
@@ -65,7 +66,10 @@ class MlirLinalgExecutor(SlotExecutor):
         num_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         function: str = "step",
+        lora: LoraBank | None = None,
     ) -> None:
+        """`lora`: the adapter slots of a module compiled with them."""
+        self.lora = lora
         self.function = LinalgFunction(module, function, bound=weights)
         self.input_names = [spec["name"] for spec in inputs]
         self.output_names = [spec["name"] for spec in outputs]
@@ -103,8 +107,17 @@ class MlirLinalgExecutor(SlotExecutor):
         entry = manifest["entry_points"]["step"]
         arrays = list(weights.arrays(artifact, manifest).values())
         module = (artifact / entry["file"]).read_text(encoding="utf-8")
+        lora = LoraBank.of_step(entry["inputs"], manifest["pipeline"])
         return cls(
-            module, entry["inputs"], entry["outputs"], arrays, max_context, num_blocks, block_size, entry["function"]
+            module,
+            entry["inputs"],
+            entry["outputs"],
+            arrays,
+            max_context,
+            num_blocks,
+            block_size,
+            entry["function"],
+            lora,
         )
 
     def step(self, batch: StepBatch) -> np.ndarray:
@@ -121,6 +134,7 @@ class MlirLinalgExecutor(SlotExecutor):
         used = int((padded.past_lens + padded.input_lens).max())
         arrays = {**step_arrays(padded), **{name: cache[slots, :, :used] for name, cache in self.caches.items()}}
         arrays |= {name: state[slots] for name, state in self.states.items()}
+        arrays |= self.lora.arrays if self.lora else {}
         results = dict(zip(self.output_names, self.function(*[arrays[n] for n in self.input_names]), strict=True))
         for name, cache in self.caches.items():
             cache[slots, :, :used] = results[name]

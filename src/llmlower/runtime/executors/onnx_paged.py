@@ -41,6 +41,7 @@ from ..executor import (
     step_arrays,
     step_logits,
 )
+from ..lora import LoraBank
 from ..weights import ARTIFACT_WEIGHTS, WeightSource
 from .onnx import BoundStep, external_initializers, session_options
 
@@ -107,8 +108,10 @@ class OnnxPagedExecutor(Executor):
         optimization: str = "all",
         device_id: int = 0,
         initializers: Mapping[str, np.ndarray] | None = None,
+        lora: LoraBank | None = None,
     ) -> None:
-        """`initializers`: values for the model's external initializers, instead of its weights file."""
+        """`initializers`: values for the model's external initializers, instead of its weights file; `lora`: the
+        adapter slots of a model compiled with them (copied to the device after each load)."""
         provider = (CUDA, {"device_id": device_id})
         copier = copy_session(copy_model, provider)  # a small model first: does the CUDA EP really start?
         if CUDA not in copier.get_providers():  # onnxruntime fell back to the CPU, which has no PagedAttention
@@ -141,6 +144,13 @@ class OnnxPagedExecutor(Executor):
         for name, value in self.pools.items():
             self.bound.binding.bind_ortvalue_input(name, value)
             self.bound.binding.bind_ortvalue_output(PRESENT_PREFIX + name, value)  # the same memory: updated in place
+        self.lora, self._lora_version = lora, -1
+        self._lora_values = {
+            name: ort.OrtValue.ortvalue_from_numpy(array, "cuda", device_id)
+            for name, array in ({} if lora is None else lora.arrays).items()
+        }
+        for name, value in self._lora_values.items():
+            self.bound.binding.bind_ortvalue_input(name, value)
 
     @classmethod
     def from_artifact(
@@ -162,8 +172,18 @@ class OnnxPagedExecutor(Executor):
         entry_points = manifest["entry_points"]
         model, copy_model = (str(artifact / entry_points[name]["file"]) for name in ("step", "copy_blocks"))
         initializers = weights.made_up(artifact, manifest)
+        lora = LoraBank.of_step(entry_points["step"]["inputs"], manifest["pipeline"])
         try:
-            return cls(model, copy_model, context, num_blocks, block_size, threads=threads, initializers=initializers)
+            return cls(
+                model,
+                copy_model,
+                context,
+                num_blocks,
+                block_size,
+                threads=threads,
+                initializers=initializers,
+                lora=lora,
+            )
         except GenerationError as exc:
             raise GenerationError(f"{artifact}: {exc}") from None
 
@@ -177,4 +197,8 @@ class OnnxPagedExecutor(Executor):
 
     def _run(self, packed: PackedBatch) -> np.ndarray:
         """Run the model on a packed batch (the pools stay bound); returns its logits on the host."""
+        if self.lora is not None and self._lora_version != self.lora.version:
+            for name, value in self._lora_values.items():  # the device's copy of the adapters, after a load
+                value.update_inplace(self.lora.arrays[name])
+            self._lora_version = self.lora.version
         return self.bound.run(step_arrays(packed))

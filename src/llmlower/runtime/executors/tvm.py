@@ -200,9 +200,11 @@ class TvmExecutor(Executor):
                 rows[:] = 0
                 self.states[name] = rows.reshape(self.num_state_slots, *shape)
                 self.pools[name] = tvm.runtime.from_dlpack(self.states[name])
-        self.lora = lora
+        self.lora, self._lora_version = lora, -1
         for name, array in ({} if lora is None else lora.arrays).items():
-            self.pools[name] = tvm.runtime.from_dlpack(array) if self.on_cpu else tvm.runtime.tensor(array, self.device)
+            self.pools[name] = (
+                tvm.runtime.from_dlpack(array) if self.on_cpu else tvm.runtime.empty(array.shape, device=self.device)
+            )
         missing = [name for name in self.pools if name not in self.inputs]
         if missing:
             raise GenerationError(f"the step function takes no pools {', '.join(missing)}")
@@ -279,6 +281,10 @@ class TvmExecutor(Executor):
         if self.states:
             packed = packed.with_state_rows()
         values = step_arrays(packed)
+        if self.lora is not None and not self.on_cpu and self._lora_version != self.lora.version:
+            for name, array in self.lora.arrays.items():  # the device's copy of the adapters, after a load
+                self.pools[name].copyfrom(array)
+            self._lora_version = self.lora.version
         args = [self.pools[name] if name in self.pools else self._input(name, values[name]) for name in self.inputs]
         logits = self._step(*args, *self.params)
         return np.from_dlpack(logits) if self.on_cpu else logits.numpy()
