@@ -187,7 +187,8 @@ def test_the_server_selects_loads_and_unloads_adapters(artifacts, adapters, expe
 
 def test_generate_loads_an_adapter_from_the_command_line(checkpoint, artifacts, adapters, capsys):
     """`generate --lora NAME=PATH --lora-name NAME` answers with the adapter: on an artifact with slots, and on the
-    torch reference from the checkpoint, whose slots the adapter sizes; a malformed --lora is refused."""
+    torch reference from the checkpoint, whose slots the adapter sizes; a malformed --lora is refused; `inspect`
+    tells the artifact's slots."""
     for model, extra in ((artifacts["onnx"], []), (checkpoint, ["--backend", "torch"])):
         flags = ["--prompt", "Hi", "--raw", "--json", "--max-tokens", str(NEW_TOKENS), "--ignore-eos"]
         adapter = ["--lora", f"all={adapters['all']}", "--lora-name", "all"]
@@ -197,3 +198,5 @@ def test_generate_loads_an_adapter_from_the_command_line(checkpoint, artifacts, 
         assert out["token_ids"] == transformers_greedy(merged, out["prompt_token_ids"], NEW_TOKENS), model
     assert main(["generate", str(artifacts["onnx"]), "--prompt", "Hi", "--lora", "all"]) == 1
     assert "--lora 'all': expected NAME=PATH" in capsys.readouterr().err
+    assert main(["inspect", str(artifacts["onnx"])]) == 0
+    assert f"LoRA: {SLOTS} adapter slots of rank {RANK} on 14 linears" in capsys.readouterr().out

@@ -25,8 +25,9 @@ each sequence one), updated in place. A state is that of the sequence after its 
 past_lens 0 starts from zeros whatever its row holds.
 
 A program with LoRA adapter slots (the lora pass) also takes `lora_slots`, each token's slot (-1: the base model),
-shaped as input_ids, and per adapted linear `lora_a__<module>` [in, slots * rank] and `lora_b__<module>`
-[slots * rank, out]: every slot's adapter side by side, which the runtime fills as adapters load.
+shaped as input_ids, and per adapted linear `lora_a__<module>` [slots * rank, in] and `lora_b__<module>`
+[out, slots * rank]: every slot's adapter side by side (PEFT's lora_A and lora_B), which the runtime fills as
+adapters load.
 """
 
 from __future__ import annotations

@@ -91,8 +91,12 @@ def _passes(args: argparse.Namespace) -> int:
     return 0
 
 
+LORA_FIELDS = ("max_loras", "rank", "targets")  # the lora pass's stats that describe an artifact's adapter slots
+
+
 def _inspect_artifact(args: argparse.Namespace) -> int:
-    """Print what an artifact was compiled with: recipe (and why), backend, target, dtype, pipeline, spec."""
+    """Print what an artifact was compiled with: recipe (and why), backend, target, dtype, pipeline, LoRA adapter
+    slots, spec."""
     from ..runtime.artifact import read_manifest
     from ..spec import ModelSpec
 
@@ -106,6 +110,14 @@ def _inspect_artifact(args: argparse.Namespace) -> int:
         "dtype": manifest["dtype"],
         "pipeline": [step["name"] for step in manifest["pipeline"]],
         "compile_seconds": {step["name"]: round(step["seconds"], 1) for step in manifest["pipeline"]},
+        "lora": next(
+            (
+                {key: step["stats"][key] for key in LORA_FIELDS}
+                for step in manifest["pipeline"]
+                if step["name"] == "lora"
+            ),
+            None,
+        ),
         "spec": {k: v for k, v in spec.to_dict().items() if k != "chat_template"},
     }
     if args.json:
@@ -122,6 +134,12 @@ def _inspect_artifact(args: argparse.Namespace) -> int:
         settings = ", ".join(f"{k}={v}" for k, v in recipe["settings"].items() if v not in (None, False))
         console.print(f"        {settings}", highlight=False)
     console.print("pipeline: " + ", ".join(report["pipeline"]), highlight=False)
+    if report["lora"] is not None:
+        lora = report["lora"]
+        console.print(
+            f"LoRA: {lora['max_loras']} adapter slots of rank {lora['rank']} on {lora['targets']} linears",
+            highlight=False,
+        )
     for key, value in report["spec"].items():
         console.print(f"  {key:<20} {value}", highlight=False)
     return 0

@@ -1,11 +1,11 @@
 """lora: adapter slots beside the decoder's linears, so that one artifact serves several LoRA adapters at once.
 
-Every targeted linear y = x W^T gains y += ((x A) * mask) B, where A [in, slots * rank] and B [slots * rank, out]
-are step inputs holding every slot's adapter side by side (the runtime writes an adapter's A^T and its scaled B^T
-into its slot's columns and rows, zeros elsewhere), and mask [.., slots * rank] is 1 on the columns of the slot
-each token's `lora_slots` entry names (-1, no slot: the base model). Tokens of different adapters share one step,
-as a batched LoRA kernel would run them, with two plain matmuls. Run it on the captured graph, before fusion and
-quantization: the base weights are then fused and quantized as without it, the adapters stay float32.
+Every targeted linear y = x W^T gains y += ((x A^T) * mask) B^T, where A [slots * rank, in] and B
+[out, slots * rank] are step inputs holding every slot's adapter side by side (the runtime writes an adapter's A and
+its scaled B into its slot's rows and columns, zeros elsewhere), and mask [.., slots * rank] is 1 on the columns of
+the slot each token's `lora_slots` entry names (-1, no slot: the base model). Tokens of different adapters share
+one step, as a batched LoRA kernel would run them, with two plain linears. Run it on the captured graph, before
+fusion and quantization: the base weights are then fused and quantized as without it, the adapters stay float32.
 """
 
 from __future__ import annotations
@@ -67,13 +67,13 @@ def lora(program: Program, rank: int = 8, max_loras: int = 4, targets: list[str]
         name_a, name_b = lora_names(module)
         input_a, input_b = add_input(graph, name_a), add_input(graph, name_b)
         added += [
-            TensorSpec(name_a, "float32", (weight.shape[1], width)),
-            TensorSpec(name_b, "float32", (width, weight.shape[0])),
+            TensorSpec(name_a, "float32", (width, weight.shape[1])),
+            TensorSpec(name_b, "float32", (weight.shape[0], width)),
         ]
-        with graph.inserting_before(linear.next):
-            down = graph.call_function(aten.matmul.default, (linear.args[0], input_a))
+        with graph.inserting_before(linear.next):  # linears (x W^T) as the base's: the backends' matmul layout
+            down = graph.call_function(aten.linear.default, (linear.args[0], input_a))
             masked = graph.call_function(aten.mul.Tensor, (down, mask))
-            up = graph.call_function(aten.matmul.default, (masked, input_b))
+            up = graph.call_function(aten.linear.default, (masked, input_b))
             total = graph.call_function(aten.add.Tensor, (linear, up))
         linear.replace_all_uses_with(total, delete_user_cb=lambda user, keep=total: user is not keep)
     finish(gm)
@@ -98,8 +98,8 @@ register_pass(
         summary="LoRA adapter slots beside the decoder's linears (options rank, max_loras, targets)",
         explain=(
             "Adds to every linear of the decoder layers (or those whose last module name is in targets: q_proj, "
-            "v_proj, ...) a low-rank path ((x A) * mask) B over max_loras adapter slots of up to `rank` each: "
-            "inputs lora_a.<module> [in, max_loras * rank] and lora_b.<module> [max_loras * rank, out] hold the "
+            "v_proj, ...) a low-rank path ((x A^T) * mask) B^T over max_loras adapter slots of up to `rank` each: "
+            "inputs lora_a__<module> [max_loras * rank, in] and lora_b__<module> [out, max_loras * rank] hold the "
             "slots' weights, lora_slots (shaped as input_ids) names each token's slot (-1: none). The runtime loads "
             "PEFT adapters into the slots; a step mixes tokens of several adapters and of the base model. Run it "
             "first, on the captured float32 graph. --verify runs the program with no token on a slot and random "

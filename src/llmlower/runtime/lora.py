@@ -1,7 +1,7 @@
 """LoRA adapters at run time: PEFT adapter directories read without torch, and the bank of adapter slots an artifact
-compiled with the lora pass takes as step inputs (see passes/lora.py). An adapter's A^T fills its slot's columns of
-lora_a__<module> [in, slots * rank], its B^T times PEFT's scaling its slot's rows of lora_b__<module>; a smaller rank
-than the artifact's leaves the rest of the slot zero."""
+compiled with the lora pass takes as step inputs (see passes/lora.py). An adapter's A fills its slot's rows of
+lora_a__<module> [slots * rank, in], its B times PEFT's scaling its slot's columns of lora_b__<module>
+[out, slots * rank]; a smaller rank than the artifact's leaves the rest of the slot zero."""
 
 from __future__ import annotations
 
@@ -166,11 +166,11 @@ class LoraBank:
             raise ArgumentError(f"{adapter.path}: rank {adapter.rank} exceeds the artifact's --lora-rank {self.rank}")
         for module, (a, b) in adapter.weights.items():
             name_a, name_b = lora_names(self._target(module))
-            rows, cols = self.arrays[name_a].shape[0], self.arrays[name_b].shape[1]
-            if a.shape[1] != rows or b.shape[0] != cols:
+            inputs, outputs = self.arrays[name_a].shape[1], self.arrays[name_b].shape[0]
+            if a.shape[1] != inputs or b.shape[0] != outputs:
                 raise ArgumentError(
                     f"{adapter.path}: {module}: A {list(a.shape)}, B {list(b.shape)} do not fit the linear "
-                    f"[{cols}, {rows}]"
+                    f"[{outputs}, {inputs}]"
                 )
 
     def write(self, slot: int, adapter: LoraAdapter | None) -> None:
@@ -178,19 +178,18 @@ class LoraBank:
         if adapter is not None:
             self.check(adapter)
         self.version += 1
-        columns = slice(slot * self.rank, (slot + 1) * self.rank)
+        start = slot * self.rank
         for name, array in self.arrays.items():
             if name.startswith(LORA_PREFIXES[0]):
-                array[:, columns] = 0
+                array[start : start + self.rank] = 0
             else:
-                array[columns] = 0
+                array[:, start : start + self.rank] = 0
         if adapter is None:
             return
         for module, (a, b) in adapter.weights.items():
             name_a, name_b = lora_names(self._target(module))
-            rank = a.shape[0]
-            self.arrays[name_a][:, slot * self.rank : slot * self.rank + rank] = a.T
-            self.arrays[name_b][slot * self.rank : slot * self.rank + rank] = b.T
+            self.arrays[name_a][start : start + a.shape[0]] = a
+            self.arrays[name_b][:, start : start + a.shape[0]] = b
 
 
 @dataclass
