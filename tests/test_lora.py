@@ -20,6 +20,7 @@ from llmlower.cli import main
 from llmlower.errors import ArgumentError, GenerationError
 from llmlower.passes import build_pipeline
 from llmlower.runtime import Engine, SamplingParams
+from llmlower.runtime.artifact import read_manifest
 from llmlower.runtime.tokenizer import Tokenizer
 from llmlower.testing import transformers_greedy, write_tiny_checkpoint
 
@@ -93,9 +94,12 @@ def _greedy(lora: str | None) -> SamplingParams:
 @pytest.mark.parametrize("backend", ["onnx", "tvm"])
 def test_adapters_and_the_base_model_in_one_batch_equal_peft_merged(artifacts, adapters, expected, backend):
     """Every mix of adapters and the base model in one batch gives each request its merged model's tokens; a
-    prompt cached by one adapter is computed again for another (the prefix cache's hashes start from the adapter)."""
+    prompt cached by one adapter is computed again for another (the prefix cache's hashes start from the adapter).
+    The slots leave the fusions in place: q/k/v with rope and attention, gate/up with SwiGLU."""
     if backend == "tvm":
         pytest.importorskip("tvm")
+    stats = {step["name"]: step["stats"] for step in read_manifest(artifacts[backend], verify=False)["pipeline"]}
+    assert stats["fuse_projections"]["silu_mul"] == stats["fuse_qkv_attention"]["qkv_attention"] == 2  # kept
     engine = Engine.load(artifacts[backend], loras=adapters, max_num_seqs=8)
     assert engine.loras == ["attn", "all"]
     names = [None, "attn", "all", "attn", None, "all"]

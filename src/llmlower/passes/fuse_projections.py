@@ -13,6 +13,7 @@ import torch.fx
 from ..ir.program import Program, fetch_attr
 from ..ir.silu_mul import SILU_MUL
 from .graph_utils import finish, replace_uses
+from .lora import adapter_path, lora_sum
 from .patterns import is_constant
 from .registry import Pass, register_pass
 
@@ -54,11 +55,14 @@ def _register(gm: torch.fx.GraphModule, targets: list[str], suffix: str, value: 
 
 
 def _fuse_group(gm: torch.fx.GraphModule, linears: list[torch.fx.Node]) -> bool:
-    """Replace `linears` (same input) by one; True when the result feeds a SwiGLU (now silu_mul)."""
+    """Replace `linears` (same input) by one; True when the result feeds a SwiGLU (now silu_mul). Linears with LoRA
+    adapter slots (the lora pass) fuse with their adapters' outputs concatenated and added to the fused one."""
     graph = gm.graph
-    roles = _swiglu_roles(*linears) if len(linears) == 2 else None
-    if roles is not None:
-        linears = [roles[0], roles[1]]  # gate first: silu_mul reads [gate | up]
+    sums = {n: lora_sum(n) for n in linears}
+    outputs = {n: sums[n] or n for n in linears}  # what the linear's users read
+    roles = _swiglu_roles(*outputs.values()) if len(linears) == 2 else None
+    if roles is not None:  # gate first: silu_mul reads [gate | up]
+        linears = [next(n for n in linears if outputs[n] is role) for role in roles[:2]]
     weights = [fetch_attr(gm, n.args[1].target) for n in linears]
     first = min(linears, key=lambda n: list(graph.nodes).index(n))
     with graph.inserting_before(first):
@@ -68,6 +72,13 @@ def _fuse_group(gm: torch.fx.GraphModule, linears: list[torch.fx.Node]) -> bool:
             biases = torch.cat([fetch_attr(gm, n.args[2].target) for n in linears])
             args.append(graph.get_attr(_register(gm, [n.args[2].target for n in linears], "bias", biases)))
         fused = graph.call_function(LINEAR, tuple(args))
+    if all(sums.values()):  # the adapters' outputs, computed before the fused linear, beside it
+        deltas = [sums[n].args[1] for n in linears]
+        for delta in deltas:
+            for node in adapter_path(delta):
+                first.prepend(node)
+        with graph.inserting_before(first):
+            fused = graph.call_function(aten.add.Tensor, (fused, graph.call_function(aten.cat.default, (deltas, -1))))
     if roles is not None:
         mul = roles[2]
         with graph.inserting_before(mul):
@@ -76,9 +87,9 @@ def _fuse_group(gm: torch.fx.GraphModule, linears: list[torch.fx.Node]) -> bool:
         return True
     start = 0
     for node, weight in zip(linears, weights, strict=True):
-        with graph.inserting_before(node):
+        with graph.inserting_before(outputs[node]):
             piece = graph.call_function(aten.slice.Tensor, (fused, -1, start, start + weight.shape[0]))
-        replace_uses([node], [piece])
+        replace_uses([outputs[node]], [piece])
         start += weight.shape[0]
     return False
 
@@ -96,7 +107,8 @@ def fuse_projections(program: Program) -> tuple[Program, dict[str, Any]]:
         weights = [fetch_attr(gm, n.args[1].target) for n in linears]
         same_bias = len({_bias(n) is None for n in linears}) == 1
         same_shape = len({(w.shape[1], w.dtype) for w in weights}) == 1
-        if len(linears) < 2 or not same_bias or not same_shape:
+        same_slots = len({lora_sum(n) is None for n in linears}) == 1  # all with adapter slots or none
+        if len(linears) < 2 or not same_bias or not same_shape or not same_slots:
             continue
         swiglu += _fuse_group(gm, linears)
         sizes[len(linears)] += 1

@@ -38,6 +38,8 @@ def _width(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int | None:
         return meta.shape[-1] if meta.dim() == 3 else None
     if node.target is aten.linear.default and node.args[1].op == "get_attr":
         return fetch_attr(gm, node.args[1].target).shape[0]
+    if node.target is aten.add.Tensor and isinstance(node.args[0], torch.fx.Node):  # + its LoRA adapters' outputs
+        return _width(gm, node.args[0])
     return None
 
 

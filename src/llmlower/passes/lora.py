@@ -16,7 +16,7 @@ import torch
 
 from ..errors import PassError
 from ..ir.program import INPUT_IDS, Program, TensorSpec, fetch_attr
-from ..step_io import LORA_SLOTS, lora_names
+from ..step_io import LORA_SLOTS, lora_module, lora_names
 from .graph_utils import add_input, decoder_layer, finish
 from .patterns import is_constant
 from .registry import Pass, Tensors, Verification, register_pass
@@ -79,6 +79,22 @@ def lora(program: Program, rank: int = 8, max_loras: int = 4, targets: list[str]
     finish(gm)
     rewritten = program.with_signature(program.inputs + added, program.outputs)
     return rewritten, {"targets": len(linears), "rank": rank, "max_loras": max_loras}
+
+
+def lora_sum(linear: torch.fx.Node) -> torch.fx.Node | None:
+    """The node adding a linear's adapter slots to its output (the lora pass's add), None for a linear without."""
+    total = next(iter(linear.users)) if len(linear.users) == 1 else None
+    if total is None or total.target is not aten.add.Tensor or total.args[0] is not linear:
+        return None
+    up = total.args[1]
+    adapted = isinstance(up, torch.fx.Node) and up.target is aten.linear.default and up.args[1].op == "placeholder"
+    return total if adapted and lora_module(up.args[1].target) is not None else None
+
+
+def adapter_path(delta: torch.fx.Node) -> list[torch.fx.Node]:
+    """The lora pass's nodes computing one linear's adapter output `delta`, in order: x A^T, the mask, B^T."""
+    masked = delta.args[0]
+    return [masked.args[0], masked, delta]
 
 
 def _run_base(program: Program, inputs: Tensors, options: dict[str, Any]) -> Tensors:
